@@ -1,0 +1,1 @@
+"""The llama service: the pinned, patched llama-server (build and launch)."""

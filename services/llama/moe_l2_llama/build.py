@@ -1,0 +1,423 @@
+"""Build the patched llama-server from the pinned llama.cpp source.
+
+The source is the llama.cpp tree vendored in the PyPI sdist of llama-cpp-python (a registry that
+both developer machines and image builds can reach), verified by its sha256. The project's patch
+series is applied in order on a clean copy, then only the `llama-server` target is built. The
+result is cached under a key made of the source hash, the patch hashes and the build flags, so a
+second call returns at once.
+
+Standard library only: the llama image runs this file as a script in a bare CUDA builder stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+SDIST_NAME = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
+SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+LLAMA_CPP_COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
+VENDOR_PREFIX = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
+DEFAULT_INDEX = "https://pypi.org/simple"
+CUDA_ARCHITECTURES = "61;75;86;89;90;120"
+
+# Offline: no web UI download, no TLS, nothing but the server.
+BASE_CMAKE_FLAGS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_APP=OFF",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+)
+
+
+class BuildError(Exception):
+    """A build that cannot proceed; the message is one line meant for the user."""
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    backend: str = "cpu"  # "cpu" or "cuda"
+    cuda_architectures: str = CUDA_ARCHITECTURES
+    native: bool = True  # tune for this CPU; images turn it off to run on any host
+    extra_flags: tuple[str, ...] = field(default_factory=tuple)
+
+    def cmake_flags(self) -> list[str]:
+        flags = list(BASE_CMAKE_FLAGS)
+        flags.append(f"-DGGML_NATIVE={'ON' if self.native else 'OFF'}")
+        if self.backend == "cuda":
+            flags += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={self.cuda_architectures}"]
+        flags += list(self.extra_flags)
+        return flags
+
+
+def default_cache_dir() -> Path:
+    if env := os.environ.get("MOE_L2_CACHE_DIR"):
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "moe-l2"
+
+
+def default_patches_dir() -> Path:
+    if env := os.environ.get("MOE_L2_PATCHES_DIR"):
+        return Path(env)
+    return Path(__file__).resolve().parent.parent / "patches"
+
+
+def patch_files(patches_dir: Path) -> list[Path]:
+    if not patches_dir.is_dir():
+        raise BuildError(f"patch folder {patches_dir} does not exist")
+    return sorted(patches_dir.glob("*.patch"))
+
+
+def build_key(config: BuildConfig, patches: list[Path]) -> str:
+    """Hash of everything that changes the binary: source, patches, flags, machine."""
+    h = hashlib.sha256()
+    h.update(SDIST_SHA256.encode())
+    for patch in patches:
+        h.update(patch.name.encode())
+        h.update(hashlib.sha256(patch.read_bytes()).digest())
+    h.update(json.dumps(config.cmake_flags()).encode())
+    h.update(platform.machine().encode())
+    return h.hexdigest()[:16]
+
+
+class Progress:
+    """A one-line progress bar on a terminal, a line every 10% elsewhere (CI logs)."""
+
+    def __init__(self, label: str, stream=sys.stderr) -> None:  # noqa: ANN001
+        self.label = label
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.last_decile = -1
+        self.start = time.monotonic()
+
+    def update(self, done: int, total: int) -> None:
+        frac = done / total if total else 0.0
+        elapsed = time.monotonic() - self.start
+        if self.tty:
+            width = 30
+            filled = int(frac * width)
+            bar = "#" * filled + "-" * (width - filled)
+            self.stream.write(f"\r{self.label} [{bar}] {done}/{total} {elapsed:5.0f}s")
+            self.stream.flush()
+        elif int(frac * 10) > self.last_decile:
+            self.last_decile = int(frac * 10)
+            self.stream.write(f"{self.label}: {done}/{total} ({frac:.0%}, {elapsed:.0f}s)\n")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def log(msg: str) -> None:
+    print(f"[build-llama] {msg}", file=sys.stderr, flush=True)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def sdist_url(index: str) -> str:
+    """The sdist's URL from the registry's simple index (PEP 691 JSON)."""
+    req = urllib.request.Request(
+        f"{index.rstrip('/')}/llama-cpp-python/",
+        headers={"Accept": "application/vnd.pypi.simple.v1+json"},
+    )
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        files = json.load(resp)["files"]
+    for entry in files:
+        if entry["filename"] == SDIST_NAME:
+            return entry["url"]
+    raise BuildError(f"{SDIST_NAME} is not listed on {index}")
+
+
+def download(url: str, dest: Path) -> None:
+    tmp = dest.with_suffix(".part")
+    with urllib.request.urlopen(url, timeout=120) as resp, tmp.open("wb") as out:
+        total = int(resp.headers.get("Content-Length") or 0)
+        progress = Progress(f"downloading {SDIST_NAME}")
+        done = 0
+        while chunk := resp.read(1 << 20):
+            out.write(chunk)
+            done += len(chunk)
+            progress.update(done >> 20, total >> 20)
+        progress.close()
+    tmp.replace(dest)
+
+
+def pip_download(dest_dir: Path) -> None:
+    """Fallback through pip, which honours the machine's own index configuration."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps"]
+    cmd += ["-d", str(dest_dir), f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}"]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        raise BuildError(f"cannot download {SDIST_NAME}: {tail}")
+
+
+def fetch_sdist(cache: Path) -> Path:
+    """The verified source archive: MOE_L2_LLAMA_SDIST, else the cache, else the registry."""
+    if env := os.environ.get("MOE_L2_LLAMA_SDIST"):
+        archive = Path(env)
+        if not archive.is_file():
+            raise BuildError(f"MOE_L2_LLAMA_SDIST={archive} does not exist")
+    else:
+        archive = cache / "src" / SDIST_NAME
+        if not archive.is_file():
+            archive.parent.mkdir(parents=True, exist_ok=True)
+            index = os.environ.get("MOE_L2_PYPI_INDEX", DEFAULT_INDEX)
+            log(f"fetching {SDIST_NAME} (llama.cpp {LLAMA_CPP_COMMIT[:7]})")
+            try:
+                download(sdist_url(index), archive)
+            except (OSError, KeyError, ValueError) as exc:
+                log(f"direct download failed ({exc}); trying pip download")
+                pip_download(archive.parent)
+    actual = sha256_file(archive)
+    if actual != SDIST_SHA256:
+        if not os.environ.get("MOE_L2_LLAMA_SDIST"):
+            archive.unlink(missing_ok=True)
+            hint = "it was removed from the cache; run again to download it anew"
+        else:
+            hint = "replace it with the genuine archive"
+        raise BuildError(f"{archive} is corrupted: sha256 {actual[:12]}… does not match {SDIST_SHA256[:12]}…; {hint}")
+    return archive
+
+
+def extract_llama_cpp(archive: Path, dest: Path) -> None:
+    """Only the vendored llama.cpp tree, laid out as the root of dest."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    try:
+        with tarfile.open(archive) as tar:
+            members = []
+            for member in tar.getmembers():
+                if not member.name.startswith(VENDOR_PREFIX) or "/.git/" in member.name + "/":
+                    continue
+                member.name = member.name[len(VENDOR_PREFIX) :]
+                if member.name:
+                    members.append(member)
+            extract_kwargs = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+            tar.extractall(dest, members=members, **extract_kwargs)
+    except (tarfile.TarError, EOFError, OSError) as exc:
+        raise BuildError(f"cannot extract {archive}: {exc}") from exc
+
+
+def apply_patches(src: Path, patches: list[Path]) -> None:
+    for patch in patches:
+        if shutil.which("git"):
+            cmd = ["git", "apply", "--whitespace=nowarn", str(patch)]
+            check = [*cmd[:2], "--check", *cmd[2:]]
+        else:
+            cmd = ["patch", "-p1", "--forward", "--batch", "-i", str(patch)]
+            check = [*cmd, "--dry-run"]
+        # Never let git discover an enclosing repository (a cache inside a checkout).
+        env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(src.parent)}
+        result = subprocess.run(check, cwd=src, capture_output=True, text=True, env=env)
+        if result.returncode != 0:
+            reason = (result.stderr.strip() or result.stdout.strip()).splitlines()
+            first = reason[0] if reason else "unknown reason"
+            raise BuildError(f"patch {patch.name} does not apply to llama.cpp {LLAMA_CPP_COMMIT[:7]}: {first}")
+        subprocess.run(cmd, cwd=src, check=True, capture_output=True, env=env)
+        log(f"applied {patch.name}")
+
+
+def check_toolchain(config: BuildConfig) -> str | None:
+    """Returns the CMake generator to use; raises on a missing tool."""
+    if not shutil.which("cmake"):
+        raise BuildError("cmake not found on PATH: install it (e.g. `apt-get install cmake`)")
+    cxx = os.environ.get("CXX") or next((c for c in ("c++", "g++", "clang++") if shutil.which(c)), None)
+    if not cxx or not shutil.which(cxx):
+        raise BuildError("no C++ compiler found on PATH: install one (e.g. `apt-get install g++`)")
+    if config.backend == "cuda" and not shutil.which("nvcc") and not Path("/usr/local/cuda/bin/nvcc").exists():
+        raise BuildError("the CUDA backend needs nvcc (the CUDA toolkit); none found")
+    if shutil.which("ninja"):
+        return "Ninja"
+    if shutil.which("make"):
+        return None
+    raise BuildError("neither ninja nor make found on PATH: install one (e.g. `apt-get install ninja-build`)")
+
+
+_PROGRESS_RE = re.compile(r"^\[(\d+)/(\d+)\]|^\[\s*(\d+)%\]")
+
+
+def run_logged(cmd: list[str], log_path: Path, label: str) -> None:
+    """Runs cmd with its output in log_path and a progress bar from ninja's/make's counters."""
+    progress = Progress(label)
+    with log_path.open("a") as log_file:
+        log_file.write(f"$ {' '.join(cmd)}\n")
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log_file.write(line)
+            if m := _PROGRESS_RE.match(line):
+                if m.group(1):
+                    progress.update(int(m.group(1)), int(m.group(2)))
+                else:
+                    progress.update(int(m.group(3)), 100)
+        rc = proc.wait()
+    progress.close()
+    if rc != 0:
+        tail = log_path.read_text(errors="replace").strip().splitlines()[-15:]
+        for line in tail:
+            print(f"    {line}", file=sys.stderr)
+        raise BuildError(f"{label} failed (exit {rc}); full log: {log_path}")
+
+
+def compile_server(src: Path, build_dir: Path, config: BuildConfig, jobs: int, log_path: Path) -> Path:
+    generator = check_toolchain(config)
+    configure = ["cmake", "-S", str(src), "-B", str(build_dir), *config.cmake_flags()]
+    if generator:
+        configure[1:1] = ["-G", generator]
+    run_logged(configure, log_path, "configuring llama.cpp")
+    run_logged(
+        ["cmake", "--build", str(build_dir), "--target", "llama-server", "-j", str(jobs)],
+        log_path,
+        "building llama-server",
+    )
+    binary = build_dir / "bin" / "llama-server"
+    if not binary.is_file():
+        raise BuildError(f"the build finished but {binary} is missing; see {log_path}")
+    return binary
+
+
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """Parallel callers (test workers, `moe-l2 up` twice) build once and share the result."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def cached_binary(cache: Path, key: str) -> Path:
+    return cache / "llama" / key / "bin" / "llama-server"
+
+
+def build(
+    config: BuildConfig | None = None,
+    *,
+    cache: Path | None = None,
+    patches_dir: Path | None = None,
+    jobs: int | None = None,
+    force: bool = False,
+) -> Path:
+    """Path of the patched llama-server, built now unless the cache has it."""
+    config = config or BuildConfig()
+    cache = cache or default_cache_dir()
+    patches = patch_files(patches_dir or default_patches_dir())
+    key = build_key(config, patches)
+    binary = cached_binary(cache, key)
+    if binary.is_file() and not force:
+        return binary
+
+    with file_lock(cache / "llama" / f"{key}.lock"):
+        if binary.is_file() and not force:
+            return binary
+        check_toolchain(config)
+        archive = fetch_sdist(cache)
+        work = cache / "llama" / f"{key}.work"
+        src, build_dir = work / "src", work / "build"
+        log(f"building llama-server {key} ({config.backend}, {len(patches)} patches) in {work}")
+        extract_llama_cpp(archive, src)
+        apply_patches(src, patches)
+        log_path = work / "build.log"
+        built = compile_server(src, build_dir, config, jobs or os.cpu_count() or 2, log_path)
+
+        out_dir = binary.parent
+        out_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(built, out_dir / "llama-server.tmp")
+        (out_dir / "llama-server.tmp").replace(binary)
+        info = {
+            "key": key,
+            "llama_cpp_commit": LLAMA_CPP_COMMIT,
+            "sdist_sha256": SDIST_SHA256,
+            "patches": {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in patches},
+            "cmake_flags": config.cmake_flags(),
+            "machine": platform.machine(),
+        }
+        (out_dir.parent / "build-info.json").write_text(json.dumps(info, indent=2) + "\n")
+        # The tree and objects are 1+ GB; the binary is static and all that is kept.
+        if not os.environ.get("MOE_L2_KEEP_BUILD_TREE"):
+            shutil.rmtree(work, ignore_errors=True)
+        log(f"built {binary}")
+        return binary
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="moe-l2 build-llama",
+        description="Build llama-server from the pinned llama.cpp source with moe-l2's patches "
+        "(cached: a second call returns at once).",
+    )
+    parser.add_argument("--cuda", action="store_true", help="build the CUDA backend (needs nvcc)")
+    parser.add_argument(
+        "--cuda-architectures",
+        default=CUDA_ARCHITECTURES,
+        help=f"CMAKE_CUDA_ARCHITECTURES for --cuda (default {CUDA_ARCHITECTURES})",
+    )
+    parser.add_argument(
+        "--portable", action="store_true", help="do not tune for this CPU (GGML_NATIVE=OFF), for images"
+    )
+    parser.add_argument("--out", type=Path, help="also copy the binary to OUT/llama-server")
+    parser.add_argument("--cache-dir", type=Path, help="cache folder (default ~/.cache/moe-l2 or MOE_L2_CACHE_DIR)")
+    parser.add_argument("--patches-dir", type=Path, help="patch series folder (default services/llama/patches)")
+    parser.add_argument("-j", "--jobs", type=int, help="parallel compile jobs (default: all cores)")
+    parser.add_argument("--force", action="store_true", help="rebuild even when the cache has the binary")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    config = BuildConfig(
+        backend="cuda" if args.cuda else "cpu",
+        cuda_architectures=args.cuda_architectures,
+        native=not (args.portable or args.cuda),
+    )
+    try:
+        binary = build(config, cache=args.cache_dir, patches_dir=args.patches_dir, jobs=args.jobs, force=args.force)
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(binary, args.out / "llama-server")
+            binary = args.out / "llama-server"
+    except BuildError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("error: build interrupted", file=sys.stderr)
+        return 130
+    print(binary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
