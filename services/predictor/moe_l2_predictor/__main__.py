@@ -1,0 +1,5 @@
+import sys
+
+from moe_l2_common.placeholder import not_built
+
+sys.exit(not_built("predictor"))

@@ -1,0 +1,1 @@
+"""moe-l2 gateway (OpenAI and Ollama APIs). Not built yet: `python -m` reports that and exits."""

