@@ -66,6 +66,8 @@ class BuildConfig:
         flags.append(f"-DGGML_NATIVE={'ON' if self.native else 'OFF'}")
         if self.backend == "cuda":
             flags += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={self.cuda_architectures}"]
+            # libcuda.so is only a stub in the devel image; the driver provides it at run time.
+            flags.append("-DCMAKE_EXE_LINKER_FLAGS=-Wl,--allow-shlib-undefined")
         flags += list(self.extra_flags)
         return flags
 
