@@ -1,0 +1,118 @@
+"""`moe-l2 build-llama`: cache hits, and one clear error line for each way a build cannot start."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moe_l2_llama import build as build_mod
+
+MOE = [sys.executable, "-m", "moe_l2_common.cli", "build-llama"]
+
+
+def run_build(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*MOE, *args], capture_output=True, text=True, env={**os.environ, **env}, timeout=600)
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+def test_cache_key_changes_with_patches_and_flags(tmp_path: Path) -> None:
+    (tmp_path / "0001-a.patch").write_text("a")
+    patches = build_mod.patch_files(tmp_path)
+    cpu = build_mod.build_key(build_mod.BuildConfig(), patches)
+    assert cpu == build_mod.build_key(build_mod.BuildConfig(), patches)
+    assert cpu != build_mod.build_key(build_mod.BuildConfig(backend="cuda"), patches)
+    (tmp_path / "0001-a.patch").write_text("b")
+    assert cpu != build_mod.build_key(build_mod.BuildConfig(), build_mod.patch_files(tmp_path))
+
+
+@pytest.mark.llama
+def test_second_call_is_a_cache_hit() -> None:
+    llama_binary = build_mod.build()  # built now if the suite started without a cached binary
+    mtime = llama_binary.stat().st_mtime_ns
+    result = run_build({})
+    assert result.returncode == 0, result.stderr
+    assert Path(result.stdout.strip()) == llama_binary
+    assert "building" not in result.stderr
+    assert llama_binary.stat().st_mtime_ns == mtime
+    info = llama_binary.parent.parent / "build-info.json"
+    assert build_mod.LLAMA_CPP_COMMIT in info.read_text()
+
+
+def test_missing_cmake_is_one_clear_line(tmp_path: Path) -> None:
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    # Only the interpreter on PATH: no cmake, no compiler.
+    (bare / "python").symlink_to(sys.executable)
+    result = run_build({"PATH": str(bare), "MOE_L2_CACHE_DIR": str(tmp_path / "cache")})
+    assert result.returncode == 1
+    assert error_lines(result.stderr) == ["error: cmake not found on PATH: install it (e.g. `apt-get install cmake`)"]
+    assert "Traceback" not in result.stderr
+
+
+def test_missing_compiler_is_one_clear_line(tmp_path: Path) -> None:
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    cmake = shutil.which("cmake")
+    assert cmake, "cmake is needed to build llama-server"
+    (bare / "cmake").symlink_to(cmake)
+    result = run_build({"PATH": str(bare), "CXX": "", "MOE_L2_CACHE_DIR": str(tmp_path / "cache")})
+    assert result.returncode == 1
+    assert len(error_lines(result.stderr)) == 1
+    assert "no C++ compiler" in result.stderr
+
+
+def test_corrupted_archive_is_one_clear_line(tmp_path: Path) -> None:
+    bad = tmp_path / build_mod.SDIST_NAME
+    bad.write_bytes(b"not a tarball" * 1000)
+    result = run_build({"MOE_L2_LLAMA_SDIST": str(bad), "MOE_L2_CACHE_DIR": str(tmp_path / "cache")})
+    assert result.returncode == 1
+    lines = error_lines(result.stderr)
+    assert len(lines) == 1
+    assert "is corrupted: sha256" in lines[0]
+
+
+def test_corrupted_cached_archive_is_removed(tmp_path: Path) -> None:
+    cached = tmp_path / "cache" / "src" / build_mod.SDIST_NAME
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(b"\x1f\x8b truncated")
+    result = run_build({"MOE_L2_CACHE_DIR": str(tmp_path / "cache")})
+    assert result.returncode == 1
+    assert "run again to download it anew" in error_lines(result.stderr)[0]
+    assert not cached.exists()
+
+
+@pytest.mark.llama
+def test_patch_that_does_not_apply_is_one_clear_line(tmp_path: Path, llama_binary: Path) -> None:
+    archive = build_mod.default_cache_dir() / "src" / build_mod.SDIST_NAME
+    if not archive.is_file():
+        pytest.skip("the source archive is not cached (MOE_L2_LLAMA_SDIST was used for the build)")
+    patches = tmp_path / "patches"
+    patches.mkdir()
+    (patches / "0001-bogus.patch").write_text(
+        "--- a/include/llama.h\n+++ b/include/llama.h\n@@ -1,3 +1,3 @@\n-this line is not there\n+nor this\n"
+    )
+    result = run_build(
+        {
+            "MOE_L2_LLAMA_SDIST": str(archive),
+            "MOE_L2_PATCHES_DIR": str(patches),
+            "MOE_L2_CACHE_DIR": str(tmp_path / "cache"),
+        }
+    )
+    assert result.returncode == 1
+    lines = error_lines(result.stderr)
+    assert len(lines) == 1
+    assert lines[0].startswith("error: patch 0001-bogus.patch does not apply to llama.cpp 0c1e570")
+
+
+def test_patch_series_applies_in_order() -> None:
+    names = [p.name for p in build_mod.patch_files(build_mod.default_patches_dir())]
+    assert names == sorted(names)
+    assert names[:2] == ["0001-routing-telemetry.patch", "0002-hot-set.patch"]

@@ -1,0 +1,310 @@
+"""The real patched llama-server on the demo MoE model: chat, routing telemetry, hot set.
+
+These tests drive the binary built from the pinned llama.cpp source plus services/llama/patches.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import threading
+
+import httpx
+import pytest
+
+from moe_l2_common.domains import DEFAULT_DOMAINS
+
+from .conftest import LlamaServer
+
+pytestmark = pytest.mark.llama
+
+
+def domain_prompt(planted: dict, domain: str, n_words: int = 24, seed: int = 0) -> str:
+    words = planted["domains"][domain]["words"]
+    rng = random.Random(f"{domain}-{seed}")
+    return " ".join(rng.choice(words) for _ in range(n_words))
+
+
+def chat(
+    server: LlamaServer,
+    content: str,
+    *,
+    domain: str | None = None,
+    max_tokens: int = 12,
+    stream: bool = False,
+) -> httpx.Response:
+    headers = {"X-MoE-Domain": domain} if domain else {}
+    body = {
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "seed": 42,
+        "stream": stream,
+        "cache_prompt": False,
+    }
+    return server.client.post("/v1/chat/completions", json=body, headers=headers)
+
+
+def completion_tokens(server: LlamaServer, prompt: str, n: int = 32) -> list[int]:
+    body = {"prompt": prompt, "n_predict": n, "temperature": 0, "seed": 42, "return_tokens": True}
+    resp = server.client.post("/completion", json=body)
+    resp.raise_for_status()
+    return resp.json()["tokens"]
+
+
+def planted_share(routing: dict, planted: dict, domain: str, tag: str | None = None) -> float:
+    """Share of the tag's activations that went to the domain's planted experts."""
+    layers = routing["domains"][tag or domain]
+    inside = total = 0
+    for layer, experts in layers.items():
+        planted_ids = set(planted["domains"][domain]["experts"][layer])
+        for expert, count in experts.items():
+            total += count
+            if int(expert) in planted_ids:
+                inside += count
+    assert total > 0, f"no activations counted under {tag or domain}"
+    return inside / total
+
+
+def metric(text: str, name: str, domain: str | None = None) -> float:
+    """Sum of a llamacpp:* metric's samples, optionally of one domain label."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        m = re.match(rf"^llamacpp:{name}(\{{[^}}]*\}})?\s+(\S+)$", line)
+        if m and (domain is None or f'domain="{domain}"' in (m.group(1) or "")):
+            total += float(m.group(2))
+    return total
+
+
+def set_hot_set(server: LlamaServer, domain: str, layers: dict[str, list[int]]) -> dict:
+    resp = server.client.post("/moe/hot-set", json={"domain": domain, "layers": layers})
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+# (a) chat completions, blocking and streaming
+
+
+def test_chat_blocking_and_streaming_agree(llama: LlamaServer, planted: dict) -> None:
+    prompt = domain_prompt(planted, "math")
+    blocking = chat(llama, prompt, max_tokens=16)
+    assert blocking.status_code == 200, blocking.text
+    body = blocking.json()
+    text = body["choices"][0]["message"]["content"]
+    assert text
+    assert body["usage"]["completion_tokens"] == 16
+
+    chunks: list[str] = []
+    with llama.client.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": 16,
+            "temperature": 0,
+            "seed": 42,
+            "stream": True,
+        },
+    ) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        done = False
+        for line in resp.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            payload = line.removeprefix("data: ")
+            if payload == "[DONE]":
+                done = True
+                break
+            delta = json.loads(payload)["choices"][0]["delta"] if json.loads(payload)["choices"] else {}
+            if delta.get("content"):
+                chunks.append(delta["content"])
+    assert done, "the stream did not end with [DONE]"
+    assert len(chunks) > 1, "streaming delivered the answer in one piece"
+    assert "".join(chunks) == text
+
+
+# (b) routing counts under each tag are dominated by that domain's planted experts
+
+
+def test_routing_follows_planted_experts(llama: LlamaServer, planted: dict) -> None:
+    llama.routing(reset=True)
+    for domain in DEFAULT_DOMAINS:
+        resp = chat(llama, domain_prompt(planted, domain), domain=domain)
+        assert resp.status_code == 200, resp.text
+    routing = llama.routing(reset=True)
+
+    assert routing["n_expert"] == planted["n_expert"]
+    assert routing["n_layer"] == planted["n_layer"]
+    shares = {d: planted_share(routing, planted, d) for d in DEFAULT_DOMAINS}
+    for domain, share in shares.items():
+        assert share >= 0.8, f"{domain}: only {share:.1%} of activations on its planted experts ({shares})"
+    # and the tags are not interchangeable: another domain's planted experts get a small share
+    cross = planted_share(routing, planted, "math", tag="codegen")
+    assert cross <= 0.5, f"codegen's activations fall on math's planted experts too ({cross:.1%})"
+
+    # every token of every MoE layer is counted exactly n_expert_used times (all but the last layer,
+    # which only sees the output rows)
+    k = routing["n_expert_used"]
+    for domain in DEFAULT_DOMAINS:
+        layer0 = sum(routing["domains"][domain]["0"].values())
+        assert layer0 == routing["tokens_by_domain"][domain] * k
+
+    # reset=1 returned the counts and cleared them
+    assert routing["tokens"] > 0
+    assert llama.routing()["tokens"] == 0
+
+
+def test_untagged_requests_count_under_default_tag(llama: LlamaServer, planted: dict) -> None:
+    llama.routing(reset=True)
+    assert chat(llama, domain_prompt(planted, "logic")).status_code == 200
+    routing = llama.routing(reset=True)
+    assert set(routing["domains"]) == {"untagged"}
+    assert planted_share(routing, planted, "logic", tag="untagged") >= 0.8
+
+
+def test_telemetry_disabled_answers_501(llama_off: LlamaServer) -> None:
+    resp = llama_off.client.get("/moe/routing")
+    assert resp.status_code == 501
+    assert "LLAMA_MOE_TELEMETRY" in resp.json()["error"]["message"]
+
+
+# (c) greedy output is token-identical with telemetry on/off and with a hot set or not
+
+
+def test_greedy_output_identical_with_telemetry_and_hot_set(
+    llama: LlamaServer, llama_off: LlamaServer, planted: dict
+) -> None:
+    prompt = domain_prompt(planted, "codegen", n_words=30)
+    plain = completion_tokens(llama_off, prompt)
+    with_telemetry = completion_tokens(llama, prompt)
+    set_hot_set(llama, "codegen", planted["domains"]["codegen"]["experts"])
+    with_hot_set = completion_tokens(llama, prompt)
+    set_hot_set(llama, "none", {})
+    assert len(plain) == 32
+    assert with_telemetry == plain
+    assert with_hot_set == plain
+
+
+# (d) hot set round trip and hit/miss counters
+
+
+def test_hot_set_round_trip(llama: LlamaServer, planted: dict) -> None:
+    layers = {layer: list(reversed(ids)) + ids[:1] for layer, ids in planted["domains"]["debug"]["experts"].items()}
+    posted = set_hot_set(llama, "debug", layers)
+    got = llama.client.get("/moe/hot-set").json()
+    expected = {layer: sorted(set(ids)) for layer, ids in layers.items()}
+    assert posted["layers"] == expected
+    assert got["layers"] == expected
+    assert got["domain"] == "debug"
+    assert got["version"] == posted["version"]
+    assert got["n_experts"] == sum(len(v) for v in expected.values())
+
+
+def test_hit_and_miss_counters_follow_the_hot_set(llama: LlamaServer, planted: dict) -> None:
+    def deltas(domain: str, hot_domain: str) -> tuple[float, float]:
+        set_hot_set(llama, hot_domain, planted["domains"][hot_domain]["experts"])
+        before = llama.metrics()
+        assert chat(llama, domain_prompt(planted, domain, seed=7), domain=domain).status_code == 200
+        after = llama.metrics()
+        hits = metric(after, "moe_hot_hits_total", domain) - metric(before, "moe_hot_hits_total", domain)
+        misses = metric(after, "moe_hot_misses_total", domain) - metric(before, "moe_hot_misses_total", domain)
+        return hits, misses
+
+    hits, misses = deltas("translate", hot_domain="translate")
+    assert hits / (hits + misses) >= 0.8, (hits, misses)
+    applied = llama.client.get("/moe/hot-set").json()
+    assert applied["applied_version"] == applied["version"]
+
+    other = next(d for d in DEFAULT_DOMAINS if d != "translate")
+    hits, misses = deltas("translate", hot_domain=other)
+    overlap = sum(
+        len(set(planted["domains"]["translate"]["experts"][layer]) & set(ids))
+        for layer, ids in planted["domains"][other]["experts"].items()
+    ) / sum(len(ids) for ids in planted["domains"]["translate"]["experts"].values())
+    assert hits / (hits + misses) <= overlap + 0.2, (hits, misses, overlap)
+    set_hot_set(llama, "none", {})
+
+
+# (e) concurrent requests with different tags keep their counts apart
+
+
+def test_concurrent_tags_are_kept_apart(llama: LlamaServer, planted: dict) -> None:
+    domains = ["codegen", "math", "creative_write", "chinese_tech"]
+    usage: dict[str, dict] = {}
+    errors: list[str] = []
+    barrier = threading.Barrier(len(domains))
+
+    def worker(domain: str) -> None:
+        with httpx.Client(base_url=llama.url, timeout=120) as client:
+            barrier.wait()
+            resp = client.post(
+                "/v1/chat/completions",
+                headers={"X-MoE-Domain": domain},
+                json={
+                    "messages": [{"role": "user", "content": domain_prompt(planted, domain, n_words=40, seed=3)}],
+                    "max_tokens": 24,
+                    "temperature": 0,
+                    "cache_prompt": False,
+                },
+            )
+            if resp.status_code != 200:
+                errors.append(resp.text)
+            else:
+                usage[domain] = resp.json()["usage"]
+
+    llama.routing(reset=True)
+    threads = [threading.Thread(target=worker, args=(d,)) for d in domains]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    routing = llama.routing(reset=True)
+
+    assert set(routing["domains"]) == set(domains)
+    for domain in domains:
+        assert planted_share(routing, planted, domain) >= 0.8
+        # every prompt token and every generated token but the last went through the model once
+        expected = usage[domain]["prompt_tokens"] + usage[domain]["completion_tokens"] - 1
+        assert routing["tokens_by_domain"][domain] == expected
+
+
+# bad input
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "JSON object"),
+        ('{"domain": "x"}', '"layers"'),
+        ('{"domain": "x", "layers": {"999": [1]}}', "out of range"),
+        ('{"domain": "x", "layers": {"-1": [1]}}', "out of range"),
+        ('{"domain": "x", "layers": {"abc": [1]}}', "out of range"),
+        ('{"domain": "x", "layers": {"0": [32]}}', "out of range"),
+        ('{"domain": "x", "layers": {"0": [-1]}}', "out of range"),
+        ('{"domain": "x", "layers": {"0": ["a"]}}', "out of range"),
+        ('{"domain": "x", "layers": {"0": 3}}', "array"),
+        ('{"domain": 5, "layers": {}}', "string"),
+    ],
+)
+def test_bad_hot_set_is_rejected_and_server_keeps_serving(
+    llama: LlamaServer, planted: dict, body: str, fragment: str
+) -> None:
+    before = llama.client.get("/moe/hot-set").json()
+    resp = llama.client.post("/moe/hot-set", content=body, headers={"Content-Type": "application/json"})
+    assert resp.status_code == 400, resp.text
+    assert fragment in resp.json()["error"]["message"]
+    assert llama.client.get("/moe/hot-set").json()["version"] == before["version"]
+    assert llama.client.get("/health").status_code == 200
+    assert chat(llama, domain_prompt(planted, "math"), max_tokens=2).status_code == 200
+
+
+def test_malformed_domain_header_is_rejected(llama: LlamaServer) -> None:
+    resp = chat(llama, "hello", domain="bad domain!")
+    assert resp.status_code == 400
+    assert "X-MoE-Domain" in resp.json()["error"]["message"]
