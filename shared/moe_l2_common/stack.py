@@ -96,6 +96,18 @@ def resolve_model(settings: StackSettings, model: Path | None) -> Path:
     return demo
 
 
+def python_service(name: str, module: str, port: int, env: dict[str, str] | None = None) -> ServiceSpec:
+    """A moe-l2 Python service run as `python -m module`, healthy when GET /healthz answers 200."""
+    base = f"http://127.0.0.1:{port}"
+    return ServiceSpec(
+        name=name,
+        argv=[sys.executable, "-m", module],
+        env=env or {},
+        health=http_ok(f"{base}/healthz"),
+        url=base,
+    )
+
+
 def stack_services(settings: StackSettings, model: Path, binary: Path) -> list[ServiceSpec]:
     """The services of the local stack, in start order."""
     return [
