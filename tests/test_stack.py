@@ -50,6 +50,8 @@ def test_up_serves_the_demo_model_and_stops_cleanly(llama_binary: Path, tmp_path
         stderr=subprocess.STDOUT,
         text=True,
         env=env,
+        # as when a shell starts it in the background: SIGINT ignored, Ctrl-C must still work
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
     try:
         output = "".join(wait_for_line(proc, "Ctrl-C stops everything", timeout_s=300))

@@ -154,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     from moe_l2_llama.build import BuildError
     from moe_l2_llama.settings import LlamaSettings, llama_server_binary
 
+    # Explicit for SIGINT too: a shell starting us in the background leaves SIGINT ignored.
+    signal.signal(signal.SIGINT, _raise_interrupt)
     signal.signal(signal.SIGTERM, _raise_interrupt)
     supervisor = Supervisor(settings.state_dir / "logs")
     try:
