@@ -1,0 +1,1 @@
+"""Tests of the expert-cache policies (moe_l2_cache.policy) and of the policy study."""
