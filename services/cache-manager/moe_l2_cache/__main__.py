@@ -1,5 +1,29 @@
-import sys
+"""`python -m moe_l2_cache`: the cache-manager on MOE_L2_CACHE_HOST:MOE_L2_CACHE_PORT."""
 
-from moe_l2_common.placeholder import not_built
+from __future__ import annotations
 
-sys.exit(not_built("cache-manager"))
+import logging
+
+import uvicorn
+
+from moe_l2_cache.app import create_app
+from moe_l2_cache.settings import CacheSettings
+
+
+def main() -> None:
+    settings = CacheSettings()
+    level = settings.log_level.upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # one line per pull and push would drown the log; errors are logged by the flywheel itself
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLevelName(level)))
+    uvicorn.run(
+        create_app(settings),
+        host=settings.cache_host,
+        port=settings.cache_port,
+        log_level=settings.log_level.lower(),
+        access_log=level == "DEBUG",
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,298 @@
+"""The cache-manager's HTTP service: hints in, stats, hot sets and the expert index out.
+
+Everything the service owns lives in one `Service` on `app.state.service`, built in the lifespan.
+A model that cannot be indexed (missing, unreadable, dense) does not stop the service: it runs in
+pass-through mode, where hints are accepted and ignored and /v1/stats says why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass, field
+from typing import Annotated, Literal
+
+import httpx
+from fastapi import Depends, FastAPI, Header, HTTPException, Request
+from fastapi.responses import PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from redis.asyncio import Redis
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+from redis.retry import Retry
+
+from moe_l2_cache.buffer import CountBuffer
+from moe_l2_cache.flywheel import Flywheel
+from moe_l2_cache.hints import HintController, PassThroughHints
+from moe_l2_cache.hotset import router_map_text
+from moe_l2_cache.metrics import ServiceCollector
+from moe_l2_cache.residency import ExpertPool, PoolError
+from moe_l2_cache.settings import CacheSettings
+from moe_l2_common.gguf_index import ExpertIndex, GGUFIndexError, load_index
+from moe_l2_common.gpu import GpuCollector
+from moe_l2_common.redis_keys import RedisKeys
+from moe_l2_common.schemas.cache import (
+    ExpertRange,
+    ExpertRanges,
+    HotSetResponse,
+    IndexSummary,
+    PullResponse,
+    StatsResponse,
+)
+from moe_l2_common.schemas.hint import HintRequest, HintResponse
+
+log = logging.getLogger("moe_l2_cache")
+
+
+@dataclass
+class Service:
+    settings: CacheSettings
+    llama: httpx.AsyncClient
+    hints: HintController | PassThroughHints
+    index: ExpertIndex | None = None
+    reason: str = ""  # why pass-through
+    redis: Redis | None = None
+    keys: RedisKeys | None = None
+    pool: ExpertPool | None = None
+    pool_problem: str | None = None
+    flywheel: Flywheel | None = None
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+
+def _load_index(settings: CacheSettings) -> tuple[ExpertIndex | None, str]:
+    if settings.model_path is None:
+        return None, "MOE_L2_MODEL_PATH is not set: no model to index"
+    try:
+        return load_index(settings.model_path), ""
+    except GGUFIndexError as e:
+        return None, str(e)
+
+
+async def build_service(settings: CacheSettings) -> Service:
+    llama = httpx.AsyncClient(base_url=settings.llama_url, timeout=httpx.Timeout(settings.llama_timeout_s, connect=2.0))
+    index, reason = await asyncio.to_thread(_load_index, settings)
+    if index is None:
+        log.warning("pass-through mode: %s", reason)
+        return Service(settings, llama, PassThroughHints(reason), reason=reason)
+
+    log.info(
+        "indexed %s: %d MoE layers x %d experts (top-%d), %d bytes per expert, model id %s",
+        index.path, len(index.layers), index.n_expert, index.n_expert_used, index.max_expert_bytes, index.model_id,
+    )  # fmt: skip
+    redis = Redis.from_url(
+        settings.redis_url,
+        decode_responses=True,
+        socket_timeout=settings.redis_timeout_s,
+        socket_connect_timeout=settings.redis_timeout_s,
+        retry=Retry(NoBackoff(), 0),  # the buffer is the retry: a call fails fast and counts wait there
+    )
+    keys = RedisKeys(index.model_id)
+    pool, pool_problem = None, None
+    try:
+        pool = await asyncio.to_thread(
+            ExpertPool, index, settings.pool_bytes, settings.cache_policy, lock=settings.pool_lock
+        )
+    except PoolError as e:
+        pool_problem = str(e)
+        log.warning("expert pool disabled: %s", e)
+    flywheel = Flywheel(
+        index,
+        keys,
+        redis,
+        llama,
+        CountBuffer(settings.buffer_max_cells),
+        hotset_bytes=settings.hotset_budget(),
+        decay=settings.decay,
+        decay_tokens=settings.decay_tokens,
+        pool=pool,
+    )
+    hints = HintController(flywheel, llama, redis, keys, dwell_s=settings.dwell_s, pool=pool)
+    return Service(settings, llama, hints, index, "", redis, keys, pool, pool_problem, flywheel)
+
+
+async def _start(service: Service) -> None:
+    if service.flywheel is None or service.redis is None or service.keys is None or service.index is None:
+        return
+    index = service.index
+    try:
+        await service.redis.hset(
+            service.keys.meta,
+            mapping={
+                "arch": index.arch,
+                "name": index.name,
+                "path": str(index.path),
+                "n_layer": index.n_layer,
+                "n_expert": index.n_expert,
+                "n_expert_used": index.n_expert_used,
+            },
+        )
+        await service.flywheel.load_tables()
+    except RedisError as e:
+        log.warning("Redis unreachable at start (%s); counts will be buffered until it answers", e)
+    if isinstance(service.hints, HintController):
+        await service.hints.restore()
+        service.tasks.append(asyncio.create_task(service.hints.run_pinner()))
+    if service.settings.pull_interval_s > 0:
+        service.tasks.append(asyncio.create_task(service.flywheel.run(service.settings.pull_interval_s)))
+
+
+async def _stop(service: Service) -> None:
+    for task in service.tasks:
+        task.cancel()
+    for task in service.tasks:
+        with suppress(asyncio.CancelledError):
+            await task
+    if service.flywheel is not None:
+        await service.flywheel.flush()  # best effort: what Redis does not take now is lost
+    await service.llama.aclose()
+    if service.redis is not None:
+        await service.redis.aclose()
+    if service.pool is not None:
+        await asyncio.to_thread(service.pool.close)
+
+
+def create_app(settings: CacheSettings | None = None) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        service = await build_service(settings or CacheSettings())
+        registry = CollectorRegistry()
+        registry.register(ServiceCollector(service))
+        # GPU memory and utilisation through NVML; exports nothing where there is no NVIDIA driver
+        registry.register(GpuCollector())
+        app.state.service = service
+        app.state.registry = registry
+        await _start(service)
+        try:
+            yield
+        finally:
+            await _stop(service)
+
+    app = FastAPI(title="moe-l2 cache-manager", lifespan=lifespan)
+    _routes(app)
+    return app
+
+
+def _service(request: Request) -> Service:
+    return request.app.state.service  # type: ignore[no-any-return]
+
+
+ServiceDep = Annotated[Service, Depends(_service)]
+
+
+def _admin(
+    service: ServiceDep,
+    authorization: Annotated[str | None, Header()] = None,
+    x_admin_token: Annotated[str | None, Header()] = None,
+) -> None:
+    token = service.settings.admin_token
+    if not token:
+        return
+    given = x_admin_token or (authorization[7:] if authorization and authorization.startswith("Bearer ") else "")
+    if not hmac.compare_digest(given.encode(), token.encode()):
+        raise HTTPException(
+            status_code=401, detail="admin call: give MOE_L2_ADMIN_TOKEN as 'Authorization: Bearer ...'"
+        )
+
+
+def _active(service: Service) -> tuple[ExpertIndex, Flywheel]:
+    if service.index is None or service.flywheel is None:
+        raise HTTPException(status_code=409, detail=f"pass-through mode: {service.reason}")
+    return service.index, service.flywheel
+
+
+def _routes(app: FastAPI) -> None:
+    @app.get("/healthz")
+    async def healthz(service: ServiceDep) -> dict[str, str]:
+        return {"status": "ok", "mode": "pass-through" if service.index is None else "active"}
+
+    @app.post("/v1/hint", response_model=HintResponse)
+    async def hint(body: HintRequest, service: ServiceDep) -> HintResponse:
+        return await service.hints.hint(body.domain)
+
+    @app.get("/v1/stats", response_model=StatsResponse)
+    async def stats(service: ServiceDep) -> StatsResponse:
+        pool = await asyncio.to_thread(service.pool.stats) if service.pool is not None else None
+        reason = service.reason or (f"expert pool disabled: {service.pool_problem}" if service.pool_problem else "")
+        return StatsResponse(
+            mode="pass-through" if service.index is None else "active",
+            reason=reason,
+            model_id=service.index.model_id if service.index else None,
+            model_path=str(service.settings.model_path) if service.settings.model_path else None,
+            pool=pool,
+            flywheel=service.flywheel.stats() if service.flywheel else None,
+            hints=service.hints.stats(),
+        )
+
+    @app.get("/v1/hotset/{domain}", response_model=HotSetResponse)
+    async def hotset(
+        domain: str,
+        service: ServiceDep,
+        format: Literal["json", "text"] = "json",
+        fresh: bool = False,
+    ) -> HotSetResponse | PlainTextResponse:
+        _, flywheel = _active(service)
+        try:
+            hot = await flywheel.hot_set(domain, fresh=fresh)
+        except RedisError as e:
+            raise HTTPException(status_code=503, detail=f"Redis unreachable: {e}") from e
+        if hot is None:
+            raise HTTPException(status_code=404, detail=f"no routing counts for domain {domain!r} yet")
+        if format == "text":
+            return PlainTextResponse(router_map_text({int(k): v for k, v in hot.layers.items()}))
+        return hot
+
+    @app.get("/v1/hotsets", response_model=dict[str, HotSetResponse])
+    async def hotsets(service: ServiceDep) -> dict[str, HotSetResponse]:
+        """Every domain's hot set: the router maps as JSON."""
+        _, flywheel = _active(service)
+        try:
+            out = {}
+            for domain in sorted(await flywheel.known_domains()):
+                if (hot := await flywheel.hot_set(domain)) is not None:
+                    out[domain] = hot
+            return out
+        except RedisError as e:
+            raise HTTPException(status_code=503, detail=f"Redis unreachable: {e}") from e
+
+    @app.get("/v1/index", response_model=IndexSummary)
+    async def index_summary(service: ServiceDep) -> IndexSummary:
+        index, _ = _active(service)
+        return index.summary()
+
+    @app.get("/v1/index/{layer}/{expert}", response_model=ExpertRanges)
+    async def expert_ranges(layer: int, expert: int, service: ServiceDep) -> ExpertRanges:
+        index, _ = _active(service)
+        try:
+            ranges = index.expert_ranges(layer, expert)
+        except IndexError as e:
+            raise HTTPException(status_code=404, detail=str(e)) from e
+        return ExpertRanges(
+            layer=layer,
+            expert=expert,
+            ranges=[ExpertRange(file=str(r.path), offset=r.offset, length=r.length) for r in ranges],
+        )
+
+    @app.post("/v1/pull", response_model=PullResponse, dependencies=[Depends(_admin)])
+    async def pull(service: ServiceDep) -> PullResponse:
+        """Pull llama's routing counts now (the flywheel also pulls every MOE_L2_PULL_INTERVAL_S)."""
+        _, flywheel = _active(service)
+        return await flywheel.pull()
+
+    @app.post("/v1/pool/evict", dependencies=[Depends(_admin)])
+    async def evict(service: ServiceDep) -> dict[str, int]:
+        if service.pool is None:
+            raise HTTPException(status_code=409, detail=service.pool_problem or f"pass-through mode: {service.reason}")
+        return {"released_bytes": await asyncio.to_thread(service.pool.evict_all)}
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        # mincore over the pool's experts is a few syscalls per expert: off the event loop
+        body = await asyncio.to_thread(generate_latest, request.app.state.registry)
+        return Response(content=body, media_type=CONTENT_TYPE_LATEST)
+
+    @app.exception_handler(RedisError)
+    async def redis_down(request: Request, exc: RedisError) -> Response:
+        return PlainTextResponse(f"Redis unreachable: {exc}", status_code=503)

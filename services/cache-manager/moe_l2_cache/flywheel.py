@@ -1,0 +1,368 @@
+"""The routing flywheel: llama's per-domain expert counts into Redis, and each domain's hot set out of them.
+
+llama-server counts activations per domain tag, layer and expert; `GET /moe/routing?reset=1` hands
+them over and clears them, so every pull is a delta. Deltas go through the bounded buffer into
+Redis in one transaction (with a marker, see buffer.py), where a Lua script first decays the
+domain's existing counts by MOE_L2_DECAY per MOE_L2_DECAY_TOKENS new tokens of that domain, then
+adds the delta: the tables follow the traffic, and a domain without traffic keeps its table.
+After each write the hot sets of the domains written are chosen again and stored in Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import httpx
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from moe_l2_cache.buffer import Batch, Cell, CountBuffer
+from moe_l2_cache.hotset import select_hot_set, sum_tables
+from moe_l2_cache.residency import ExpertPool
+from moe_l2_common.gguf_index import ExpertIndex
+from moe_l2_common.redis_keys import GLOBAL_DOMAIN, RedisKeys
+from moe_l2_common.schemas.cache import FlywheelStats, HotSetResponse, PullResponse
+from moe_l2_common.schemas.llama import RoutingSnapshot
+
+log = logging.getLogger(__name__)
+
+Table = dict[int, dict[int, float]]  # layer -> expert -> (decayed) activations
+
+# KEYS[1]: a routing hash; ARGV[1]: decay factor; ARGV[2..]: expert, delta pairs.
+_DECAY_AND_ADD = """
+local factor = tonumber(ARGV[1])
+if factor < 1 then
+  local all = redis.call('HGETALL', KEYS[1])
+  for i = 1, #all, 2 do
+    local v = tonumber(all[i + 1]) * factor
+    if v < 0.001 then
+      redis.call('HDEL', KEYS[1], all[i])
+    else
+      redis.call('HSET', KEYS[1], all[i], string.format('%.17g', v))
+    end
+  end
+end
+for i = 2, #ARGV, 2 do
+  redis.call('HINCRBYFLOAT', KEYS[1], ARGV[i], ARGV[i + 1])
+end
+return 1
+"""
+
+_FLUSH_MARKER_TTL_S = 86_400
+
+HotSetListener = Callable[[set[str]], Awaitable[None]]
+
+
+class RoutingError(Exception):
+    """llama's routing counts could not be pulled or do not fit the indexed model."""
+
+
+@dataclass
+class _Counters:
+    pulls: int = 0
+    pull_errors: int = 0
+    last_pull_at: float | None = None
+    last_error: str | None = None
+    activations: int = 0
+    tokens: int = 0
+    flushes: int = 0
+    redis_errors: int = 0
+    redis_ok: bool = True
+
+
+class Flywheel:
+    def __init__(
+        self,
+        index: ExpertIndex,
+        keys: RedisKeys,
+        redis: Redis,
+        llama: httpx.AsyncClient,
+        buffer: CountBuffer,
+        *,
+        hotset_bytes: int,
+        decay: float = 1.0,
+        decay_tokens: int = 100_000,
+        pool: ExpertPool | None = None,
+    ) -> None:
+        self.index = index
+        self.keys = keys
+        self.redis = redis
+        self.llama = llama
+        self.buffer = buffer
+        self.hotset_bytes = hotset_bytes
+        self.decay = decay
+        self.decay_tokens = decay_tokens
+        self.pool = pool
+        self.counters = _Counters()
+        self.domains: set[str] = set()
+        self._hot_sets: dict[str, HotSetResponse] = {}
+        self._tables: dict[str, Table] = {}  # the last read of each domain's table: the pool policy's priors
+        self._listeners: list[HotSetListener] = []
+        self._flush_lock = asyncio.Lock()
+        self._pull_lock = asyncio.Lock()
+        self._script = redis.register_script(_DECAY_AND_ADD)
+
+    def on_hot_sets_changed(self, listener: HotSetListener) -> None:
+        self._listeners.append(listener)
+
+    # -- pulling -------------------------------------------------------------------------------------
+
+    async def pull(self) -> PullResponse:
+        """One pull from llama (reset=1), buffered, then flushed; never raises for llama or Redis trouble."""
+        async with self._pull_lock:
+            try:
+                snapshot = await self._fetch()
+            except RoutingError as e:
+                self.counters.pull_errors += 1
+                self.counters.last_error = str(e)
+                flushed = await self.flush()  # counts buffered earlier still go out
+                return PullResponse(ok=False, error=str(e), flushed=flushed, buffered_cells=self.buffer.cells)
+            counts, tokens = _cells(snapshot)
+            self.counters.pulls += 1
+            self.counters.last_pull_at = time.time()
+            self.counters.activations += sum(counts.values())
+            self.counters.tokens += sum(tokens.values())
+            if not self.buffer.add(counts, tokens):
+                log.warning(
+                    "count buffer full (%d cells): dropped %d activations", self.buffer.cells, sum(counts.values())
+                )
+            if self.pool is not None and counts:
+                await asyncio.to_thread(self.pool.observe, _per_layer(counts))
+            flushed = await self.flush()
+            return PullResponse(
+                ok=True,
+                tokens=snapshot.tokens,
+                activations=sum(counts.values()),
+                domains=sorted(snapshot.domains),
+                flushed=flushed,
+                buffered_cells=self.buffer.cells,
+            )
+
+    async def _fetch(self) -> RoutingSnapshot:
+        try:
+            resp = await self.llama.get("/moe/routing", params={"reset": "1"})
+        except httpx.HTTPError as e:
+            raise RoutingError(f"llama unreachable: {type(e).__name__}: {e}") from e
+        if resp.status_code != 200:
+            raise RoutingError(f"llama answered {resp.status_code} to GET /moe/routing: {resp.text[:200]}")
+        try:
+            snapshot = RoutingSnapshot.model_validate(resp.json())
+        except ValueError as e:
+            raise RoutingError(f"llama's /moe/routing answer does not fit the contract: {e}") from e
+        if (snapshot.n_layer, snapshot.n_expert) != (self.index.n_layer, self.index.n_expert):
+            raise RoutingError(
+                f"llama serves a model with {snapshot.n_layer} layers x {snapshot.n_expert} experts, the indexed "
+                f"{self.index.path} has {self.index.n_layer} x {self.index.n_expert}: is MOE_L2_MODEL_PATH right?"
+            )
+        return snapshot
+
+    async def run(self, interval_s: float) -> None:
+        """Pull every `interval_s` seconds until cancelled."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.pull()
+            except Exception:  # a bug must not stop the flywheel; it is logged and the next pull tries again
+                log.exception("routing pull failed")
+
+    # -- writing -------------------------------------------------------------------------------------
+
+    async def flush(self) -> bool:
+        """Write the buffered counts; False (and they stay buffered) when Redis is unreachable."""
+        async with self._flush_lock:
+            try:
+                await self._resolve_uncertain()
+            except RedisError as e:
+                self._redis_failed(e)
+                return False
+            batch = self.buffer.take()
+            if batch is None:
+                return True
+            try:
+                await self._write(batch)
+            except RedisError as e:
+                self.buffer.failed(batch)
+                self._redis_failed(e)
+                return False
+            self.counters.flushes += 1
+            self.counters.redis_ok = True
+            self.domains |= batch.domains()
+        await self._refresh_hot_sets(batch.domains())
+        return True
+
+    async def _resolve_uncertain(self) -> None:
+        if self.buffer.uncertain is None:
+            return
+        applied = bool(await self.redis.exists(self.keys.flushed(self.buffer.uncertain.id)))
+        self.buffer.resolve(applied)
+
+    async def _write(self, batch: Batch) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            for domain in sorted(batch.domains()):
+                factor = self._decay_factor(batch.tokens.get(domain, 0))
+                deltas = dict(batch.by_layer(domain))
+                for layer in sorted(set(self.index.layers) | set(deltas)):
+                    cells = deltas.get(layer, {})
+                    if not cells and factor >= 1.0:
+                        continue
+                    args: list[str | float | int] = [repr(factor)]
+                    for expert, n in sorted(cells.items()):
+                        args += [expert, n]
+                    await self._script(keys=[self.keys.routing(domain, layer)], args=args, client=pipe)
+                if batch.tokens.get(domain):
+                    pipe.hincrby(self.keys.tokens, domain, batch.tokens[domain])
+                pipe.sadd(self.keys.domains, domain)
+            pipe.set(self.keys.flushed(batch.id), 1, ex=_FLUSH_MARKER_TTL_S)
+            await pipe.execute()
+
+    def _decay_factor(self, new_tokens: int) -> float:
+        if self.decay >= 1.0 or new_tokens <= 0:
+            return 1.0
+        return float(self.decay ** (new_tokens / self.decay_tokens))
+
+    def _redis_failed(self, exc: Exception) -> None:
+        self.counters.redis_errors += 1
+        if self.counters.redis_ok:
+            log.warning("Redis unreachable (%s): buffering routing counts in memory", exc)
+        self.counters.redis_ok = False
+        self.counters.last_error = f"redis: {exc}"
+
+    # -- tables and hot sets ---------------------------------------------------------------------------
+
+    async def table(self, domain: str) -> Table:
+        """A domain's counts from Redis (every domain's together for GLOBAL_DOMAIN)."""
+        if domain == GLOBAL_DOMAIN:
+            domains = await self.known_domains()
+            return sum_tables([await self.table(d) for d in sorted(domains)])
+        layers = self.index.moe_layers
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for layer in layers:
+                pipe.hgetall(self.keys.routing(domain, layer))
+            raw = await pipe.execute()
+        table = {
+            layer: {int(e): float(c) for e, c in fields.items()}
+            for layer, fields in zip(layers, raw, strict=True)
+            if fields
+        }
+        if table:
+            self._tables[domain] = table
+        return table
+
+    async def load_tables(self) -> None:
+        """Read every domain's table (at start: the pool's policy gets its priors from them)."""
+        for domain in sorted(await self.known_domains()):
+            await self.table(domain)
+        await self._update_priors()
+
+    async def _update_priors(self) -> None:
+        if self.pool is not None and self._tables:
+            await asyncio.to_thread(self.pool.set_priors, dict(self._tables))
+
+    async def known_domains(self) -> set[str]:
+        members = await self.redis.smembers(self.keys.domains)
+        self.domains |= set(members)
+        return set(members)
+
+    async def tokens(self) -> dict[str, int]:
+        raw = await self.redis.hgetall(self.keys.tokens)
+        return {d: int(n) for d, n in raw.items()}
+
+    async def compute_hot_set(self, domain: str) -> HotSetResponse | None:
+        table = await self.table(domain)
+        if not table:
+            return None
+        sizes = {layer: self.index.expert_bytes(layer) for layer in self.index.layers}
+        choice = select_hot_set(table, sizes, self.hotset_bytes)
+        return HotSetResponse(
+            model_id=self.keys.model,
+            domain=domain,
+            layers={str(layer): ids for layer, ids in choice.layers.items()},
+            n_experts=choice.n_experts,
+            bytes=choice.bytes,
+            budget_bytes=self.hotset_bytes,
+            activations=choice.activations,
+            coverage=choice.coverage,
+            computed_at=time.time(),
+        )
+
+    async def hot_set(self, domain: str, fresh: bool = False) -> HotSetResponse | None:
+        """The domain's hot set: remembered, else stored in Redis (same budget), else computed from its table."""
+        if not fresh:
+            if (cached := self._hot_sets.get(domain)) is not None:
+                return cached
+            stored = await self.redis.get(self.keys.hotset(domain))
+            if stored:
+                hot = HotSetResponse.model_validate_json(stored)
+                if hot.budget_bytes == self.hotset_bytes:
+                    self._hot_sets[domain] = hot
+                    return hot
+        hot = await self.compute_hot_set(domain)
+        if hot is not None:
+            await self._store(hot)
+        return hot
+
+    async def _store(self, hot: HotSetResponse) -> None:
+        self._hot_sets[hot.domain] = hot
+        await self.redis.set(self.keys.hotset(hot.domain), hot.model_dump_json())
+
+    async def _refresh_hot_sets(self, domains: set[str]) -> None:
+        changed: set[str] = set()
+        for domain in sorted(domains):
+            before = self._hot_sets.get(domain)
+            try:
+                hot = await self.compute_hot_set(domain)
+                if hot is None:
+                    continue
+                await self._store(hot)
+            except RedisError as e:
+                self._redis_failed(e)
+                return
+            if before is None or before.layers != hot.layers:
+                changed.add(domain)
+        self._hot_sets.pop(GLOBAL_DOMAIN, None)  # every write changes the global table
+        await self._update_priors()
+        if changed:
+            for listener in self._listeners:
+                await listener(changed)
+
+    def stats(self) -> FlywheelStats:
+        c = self.counters
+        return FlywheelStats(
+            pulls=c.pulls,
+            pull_errors=c.pull_errors,
+            last_pull_at=c.last_pull_at,
+            last_error=c.last_error,
+            activations_pulled=c.activations,
+            tokens_pulled=c.tokens,
+            flushes=c.flushes,
+            redis_ok=c.redis_ok,
+            redis_errors=c.redis_errors,
+            buffered_cells=self.buffer.cells,
+            buffered_activations=self.buffer.activations,
+            dropped_activations=self.buffer.dropped_activations,
+            dropped_snapshots=self.buffer.dropped_snapshots,
+            domains=sorted(self.domains),
+        )
+
+
+def _cells(snapshot: RoutingSnapshot) -> tuple[dict[Cell, int], dict[str, int]]:
+    counts: dict[Cell, int] = {}
+    for domain, layers in snapshot.domains.items():
+        for layer, experts in layers.items():
+            for expert, n in experts.items():
+                if n:
+                    counts[(domain, int(layer), int(expert))] = int(n)
+    tokens = {d: int(n) for d, n in snapshot.tokens_by_domain.items() if n}
+    return counts, tokens
+
+
+def _per_layer(counts: dict[Cell, int]) -> dict[int, dict[int, float]]:
+    out: dict[int, dict[int, float]] = {}
+    for (_, layer, expert), n in counts.items():
+        acc = out.setdefault(layer, {})
+        acc[expert] = acc.get(expert, 0.0) + n
+    return out

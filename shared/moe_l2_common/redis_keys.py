@@ -1,0 +1,68 @@
+"""Redis key names of the routing flywheel, namespaced by model id (a hash of the GGUF's tables).
+
+    moe:{model}:routing:{domain}:{layer}   hash  expert id -> (decayed) activations
+    moe:{model}:tokens                     hash  domain -> tokens routed (not decayed)
+    moe:{model}:domains                    set   every domain with counts
+    moe:{model}:hotset:{domain}            str   JSON of the domain's hot set (schemas.cache.HotSetResponse)
+    moe:{model}:active                     hash  the active domain and when it became active
+    moe:{model}:meta                       hash  what the id stands for (arch, file, experts, layers)
+    moe:{model}:flushed:{batch}            str   marks a batch of counts as written (expires after a day)
+
+Domain tags are `[A-Za-z0-9_.:-]+`; the layer is always the last component of a routing key, so a
+tag containing ':' still parses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFIX = "moe"
+# The hot set computed from every domain's counts together (the "global" hot set).
+GLOBAL_DOMAIN = "_global"
+
+
+@dataclass(frozen=True)
+class RedisKeys:
+    model: str
+
+    @property
+    def base(self) -> str:
+        return f"{PREFIX}:{self.model}"
+
+    def routing(self, domain: str, layer: int) -> str:
+        return f"{self.base}:routing:{domain}:{layer}"
+
+    def routing_pattern(self, domain: str = "*") -> str:
+        return f"{self.base}:routing:{domain}:*"
+
+    @property
+    def tokens(self) -> str:
+        return f"{self.base}:tokens"
+
+    @property
+    def domains(self) -> str:
+        return f"{self.base}:domains"
+
+    def hotset(self, domain: str) -> str:
+        return f"{self.base}:hotset:{domain}"
+
+    @property
+    def active(self) -> str:
+        return f"{self.base}:active"
+
+    @property
+    def meta(self) -> str:
+        return f"{self.base}:meta"
+
+    def flushed(self, batch_id: str) -> str:
+        return f"{self.base}:flushed:{batch_id}"
+
+    def parse_routing(self, key: str) -> tuple[str, int] | None:
+        """(domain, layer) of a routing key of this model, None for any other key."""
+        head = f"{self.base}:routing:"
+        if not key.startswith(head):
+            return None
+        domain, _, layer = key[len(head) :].rpartition(":")
+        if not domain or not layer.isdigit():
+            return None
+        return domain, int(layer)
