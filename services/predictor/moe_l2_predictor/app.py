@@ -1,0 +1,185 @@
+"""The predictor's HTTP API: POST /v1/predict, /v1/predict/batch, GET /v1/domains, /healthz, /metrics."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+
+from moe_l2_common.schemas.predict import (
+    PredictBatchRequest,
+    PredictBatchResponse,
+    PredictRequest,
+    PredictResponse,
+)
+from moe_l2_predictor.metrics import PredictorMetrics
+from moe_l2_predictor.predictor import Outcome, Predictor
+from moe_l2_predictor.prompt import from_request
+from moe_l2_predictor.settings import PredictorSettings
+
+log = logging.getLogger("moe_l2_predictor")
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+class BadRequest(Exception):
+    def __init__(self, status: int, kind: str, message: str, details: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.message, self.details = status, kind, message, details
+
+
+def error(status: int, kind: str, message: str, details: list[dict[str, Any]] | None = None) -> JSONResponse:
+    body: dict[str, Any] = {"error": {"type": kind, "message": message}}
+    if details:
+        body["error"]["details"] = details
+    return JSONResponse(body, status_code=status)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 past `limit` bytes (announced or streamed)."""
+    announced = request.headers.get("content-length")
+    if announced and announced.isdigit() and int(announced) > limit:
+        raise BadRequest(413, "too_large", f"request body over {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BadRequest(413, "too_large", f"request body over {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse(model: type[Model], raw: bytes) -> Model:
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False, include_input=False, include_context=False)
+        if any(e["type"] == "json_invalid" for e in errors):
+            raise BadRequest(400, "invalid_json", "the request body is not valid JSON") from exc
+        details = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in errors][:20]
+        raise BadRequest(422, "invalid_request", "the request does not match the schema", details) from exc
+
+
+def record(metrics: PredictorMetrics, outcomes: list[Outcome], total_s: float) -> None:
+    per_prompt = total_s / max(1, len(outcomes))
+    for outcome in outcomes:
+        if outcome.response.tier == "hybrid":
+            metrics.latency.labels("hybrid").observe(per_prompt)
+        for tier in outcome.tiers_run:
+            metrics.tier_runs.labels(tier).inc()
+            if tier in outcome.timings:
+                metrics.latency.labels(tier).observe(outcome.timings[tier])
+        metrics.predictions.labels(outcome.response.domain, outcome.response.tier).inc()
+        metrics.confidence.observe(outcome.response.confidence)
+
+
+def create_app(settings: PredictorSettings | None = None, predictor: Predictor | None = None) -> FastAPI:
+    """The app; the predictor is built in the lifespan (loading or fitting its models) unless given."""
+    settings = settings or PredictorSettings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if "semantic" in settings.tier_list:
+            import torch
+
+            torch.set_num_threads(settings.threads)
+        ready = predictor or await anyio.to_thread.run_sync(Predictor.from_settings, settings)
+        app.state.predictor = ready
+        app.state.limiter = anyio.CapacityLimiter(settings.concurrency)
+        metrics = PredictorMetrics()
+        metrics.info.labels(",".join(ready.tiers), ready.taxonomy.digest()[:16]).set(1)
+        app.state.metrics = metrics
+        log.info("predictor ready: tiers %s, taxonomy %s", ",".join(ready.tiers), ready.taxonomy.source)
+        yield
+
+    app = FastAPI(title="moe-l2 predictor", version="0.1.0", lifespan=lifespan)
+
+    async def run(request: Request, fn: Callable[[], list[Outcome]]) -> list[Outcome]:
+        started = time.perf_counter()
+        outcomes = await anyio.to_thread.run_sync(fn, limiter=request.app.state.limiter)
+        record(request.app.state.metrics, outcomes, time.perf_counter() - started)
+        return outcomes
+
+    async def handle(request: Request, endpoint: str, work: Callable[[bytes], Awaitable[Response]]) -> Response:
+        metrics: PredictorMetrics = request.app.state.metrics
+        try:
+            raw = await read_body(request, settings.max_body_bytes)
+            response = await work(raw)
+        except BadRequest as exc:
+            metrics.requests.labels(endpoint, str(exc.status)).inc()
+            return error(exc.status, exc.kind, exc.message, exc.details)
+        metrics.requests.labels(endpoint, "200").inc()
+        return response
+
+    @app.post(
+        "/v1/predict",
+        response_model=PredictResponse,
+        openapi_extra={
+            "requestBody": {"content": {"application/json": {"schema": PredictRequest.model_json_schema()}}}
+        },
+    )
+    async def predict(request: Request) -> Response:
+        async def work(raw: bytes) -> Response:
+            body = parse(PredictRequest, raw)
+            prompt = from_request(body)
+            predictor: Predictor = request.app.state.predictor
+            [outcome] = await run(request, lambda: predictor.predict_many([prompt]))
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("predict %r -> %s", prompt.main[:80], outcome.response.domain)
+            return JSONResponse(outcome.response.model_dump())
+
+        return await handle(request, "/v1/predict", work)
+
+    @app.post(
+        "/v1/predict/batch",
+        response_model=PredictBatchResponse,
+        openapi_extra={
+            "requestBody": {"content": {"application/json": {"schema": PredictBatchRequest.model_json_schema()}}}
+        },
+    )
+    async def predict_batch(request: Request) -> Response:
+        async def work(raw: bytes) -> Response:
+            body = parse(PredictBatchRequest, raw)
+            prompts = [from_request(item) for item in body.items]
+            predictor: Predictor = request.app.state.predictor
+            outcomes = await run(request, lambda: predictor.predict_many(prompts)) if prompts else []
+            return JSONResponse(PredictBatchResponse(results=[o.response for o in outcomes]).model_dump())
+
+        return await handle(request, "/v1/predict/batch", work)
+
+    @app.get("/v1/domains")
+    async def domains(request: Request) -> dict[str, Any]:
+        predictor: Predictor = request.app.state.predictor
+        request.app.state.metrics.requests.labels("/v1/domains", "200").inc()
+        return {
+            "fallback": predictor.taxonomy.fallback,
+            "domains": [
+                {
+                    "name": d.name,
+                    "description": d.description,
+                    "languages": list(d.languages),
+                    "absorbs": list(d.absorbs),
+                    "keywords": len(d.keywords),
+                    "examples": len(d.examples),
+                }
+                for d in predictor.taxonomy.domains
+            ],
+        }
+
+    @app.get("/healthz")
+    async def healthz(request: Request) -> dict[str, Any]:
+        return {"status": "ok", **request.app.state.predictor.describe()}
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

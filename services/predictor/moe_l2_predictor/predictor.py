@@ -1,0 +1,179 @@
+"""The predictor: runs the configured tiers on prompts and returns one calibrated answer each.
+
+With several tiers the hybrid combines them (see combine.py). When the semantic tier is on, the
+cheap tiers go first: if their combination is already confident (>= `early_exit`), the
+semantic model is skipped for that prompt, which keeps the usual latency at the cheap tiers'.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moe_l2_common.schemas.predict import PredictResponse
+from moe_l2_common.taxonomy import Taxonomy, load_default_taxonomy, load_taxonomy
+from moe_l2_predictor.artefacts import Artefacts, load_or_fit
+from moe_l2_predictor.dataset import calibration_set, training_set
+from moe_l2_predictor.prompt import Prompt
+from moe_l2_predictor.rules import LanguageRules
+from moe_l2_predictor.settings import PredictorSettings
+from moe_l2_predictor.tier_keyword import KeywordTier
+from moe_l2_predictor.tier_semantic import Encoder, SemanticTier, SemanticUnavailable, load_encoder
+from moe_l2_predictor.tier_tfidf import TfidfTier
+
+log = logging.getLogger("moe_l2_predictor")
+
+Timings = dict[str, float]  # tier -> seconds spent per prompt
+
+
+@dataclass
+class Outcome:
+    response: PredictResponse
+    tiers_run: tuple[str, ...]
+    timings: Timings = field(default_factory=dict)
+
+
+class Predictor:
+    def __init__(
+        self,
+        taxonomy: Taxonomy,
+        tiers: tuple[str, ...],
+        artefacts: Artefacts | None = None,
+        encoder: Encoder | None = None,
+        early_exit: float = 0.9,
+        unavailable: dict[str, str] | None = None,
+    ) -> None:
+        self.taxonomy = taxonomy
+        self.names = taxonomy.names
+        self.k = len(self.names)
+        self.tiers = tiers
+        self.early_exit = early_exit
+        self.unavailable = unavailable or {}
+        self.rules = LanguageRules(taxonomy)
+        self.artefacts = artefacts or Artefacts(key="")
+        self.keyword = KeywordTier(taxonomy)
+        self.tfidf = TfidfTier(self.artefacts.tfidf, self.rules, self.k) if self.artefacts.tfidf is not None else None
+        self.semantic = (
+            SemanticTier(encoder, self.artefacts.semantic_head, self.rules, self.k)
+            if encoder is not None and self.artefacts.semantic_head is not None
+            else None
+        )
+        missing = [t for t in tiers if t != "keyword" and getattr(self, t) is None]
+        if missing:
+            raise ValueError(f"tiers {missing} have no fitted model")
+        self.cheap = tuple(t for t in tiers if t != "semantic")
+        if len(tiers) > 1 and tiers not in self.artefacts.combiners:
+            raise ValueError(f"no hybrid combiner fitted for {'+'.join(tiers)}")
+
+    @classmethod
+    def from_settings(cls, settings: PredictorSettings, refit: bool = False, cross_validate: bool = False) -> Predictor:
+        """Load the taxonomy and the semantic model, then the cached artefacts (fitting them if missing)."""
+        taxonomy = load_taxonomy(settings.taxonomy_path) if settings.taxonomy_path else load_default_taxonomy()
+        tiers = settings.tier_list
+        unavailable: dict[str, str] = {}
+        encoder = None
+        if "semantic" in tiers:
+            try:
+                encoder = load_encoder(settings.semantic_model)
+            except (SemanticUnavailable, OSError) as exc:
+                # Serving without the semantic tier beats not serving; /healthz and the log say so.
+                log.error("semantic tier disabled: %s", exc)
+                unavailable["semantic"] = str(exc)
+                tiers = tuple(t for t in tiers if t != "semantic")
+        artefacts = None
+        if set(tiers) - {"keyword"}:
+            training = training_set(taxonomy, settings.data_path)
+            artefacts = load_or_fit(
+                settings.cache_dir,
+                taxonomy,
+                training,
+                tiers,
+                encoder,
+                extra=settings.data_path,
+                refit=refit,
+                calibration=calibration_set(taxonomy),
+                cross_validate=cross_validate,
+            )
+        return cls(taxonomy, tiers, artefacts, encoder, settings.early_exit, unavailable)
+
+    @property
+    def tier_label(self) -> str:
+        return self.tiers[0] if len(self.tiers) == 1 else "hybrid"
+
+    def _response(self, proba: np.ndarray, lang: str) -> PredictResponse:
+        best = int(proba.argmax())
+        return PredictResponse(
+            domain=self.names[best],
+            confidence=float(min(1.0, max(0.0, proba[best]))),
+            lang=lang,
+            tier=self.tier_label,  # type: ignore[arg-type]
+            scores={name: round(float(p), 6) for name, p in zip(self.names, proba, strict=True)},
+        )
+
+    def predict(self, prompt: Prompt) -> Outcome:
+        return self.predict_many([prompt])[0]
+
+    def predict_many(self, prompts: Sequence[Prompt]) -> list[Outcome]:
+        """Predictions for a batch: each tier runs once over all prompts that need it."""
+        n = len(prompts)
+        if n == 0:
+            return []
+        langs = [p.lang for p in prompts]
+        timings: Timings = {}
+        if self.tiers == ("keyword",):
+            started = time.perf_counter()
+            preds = [self.keyword.predict(p) for p in prompts]
+            timings["keyword"] = (time.perf_counter() - started) / n
+            return [
+                Outcome(
+                    PredictResponse(
+                        domain=kp.domain, confidence=kp.confidence, lang=kp.lang, tier="keyword", scores=kp.scores
+                    ),
+                    ("keyword",),
+                    timings,
+                )
+                for kp in preds
+            ]
+        probas: dict[str, np.ndarray] = {}
+        for name in self.cheap:
+            started = time.perf_counter()
+            probas[name] = getattr(self, name).proba(prompts)
+            timings[name] = (time.perf_counter() - started) / n
+        final = np.zeros((n, self.k))
+        ran = [self.cheap] * n
+        need = np.arange(n)
+        if len(self.cheap) > 1:
+            cheap = self.rules.apply(
+                self.artefacts.combiners[self.cheap].combine([probas[t] for t in self.cheap]), langs
+            )
+            final[:] = cheap
+            if "semantic" in self.tiers:
+                need = np.flatnonzero(cheap.max(axis=1) < self.early_exit)
+        elif len(self.cheap) == 1 and "semantic" not in self.tiers:
+            final[:] = probas[self.cheap[0]]
+        if "semantic" in self.tiers and len(need):
+            started = time.perf_counter()
+            semantic = self.semantic.proba([prompts[i] for i in need])  # type: ignore[union-attr]
+            timings["semantic"] = (time.perf_counter() - started) / len(need)
+            if len(self.tiers) == 1:
+                final[need] = semantic
+            else:
+                parts = [probas[t][need] if t != "semantic" else semantic for t in self.tiers]
+                combined = self.artefacts.combiners[self.tiers].combine(parts)
+                final[need] = self.rules.apply(combined, [langs[i] for i in need])
+            for i in need:
+                ran[i] = self.tiers
+        return [Outcome(self._response(final[i], langs[i]), ran[i], timings) for i in range(n)]
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "tiers": list(self.tiers),
+            "unavailable": self.unavailable,
+            "taxonomy": {"source": self.taxonomy.source, "digest": self.taxonomy.digest()[:16]},
+            "artefacts": self.artefacts.key or None,
+            "early_exit": self.early_exit if "semantic" in self.tiers and len(self.tiers) > 1 else None,
+        }
