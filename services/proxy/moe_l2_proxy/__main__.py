@@ -1,5 +1,32 @@
-import sys
+"""`python -m moe_l2_proxy`: the gateway on MOE_L2_PROXY_HOST:MOE_L2_PROXY_PORT."""
 
-from moe_l2_common.placeholder import not_built
+from __future__ import annotations
 
-sys.exit(not_built("proxy"))
+import logging
+
+import uvicorn
+
+from moe_l2_proxy.app import create_app
+from moe_l2_proxy.settings import ProxySettings
+
+
+def main() -> None:
+    settings = ProxySettings()
+    level = settings.log_level.upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(
+        create_app(settings),
+        host=settings.proxy_host,
+        port=settings.proxy_port,
+        log_level=settings.log_level.lower(),
+        access_log=settings.access_log,
+        server_header=False,
+        # uvloop and httptools when installed (uvicorn[standard]): less per-request overhead
+        loop="auto",
+        http="auto",
+        timeout_graceful_shutdown=10,
+    )
+
+
+if __name__ == "__main__":
+    main()

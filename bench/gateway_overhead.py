@@ -1,0 +1,233 @@
+"""What the gateway costs: the same streaming workload sent straight to llama-server and through the
+gateway, interleaved in one run, at concurrency 1, 8 and 32.
+
+One patched llama-server (32 slots) on the demo MoE model and one gateway process in front of it
+(`python -m moe_l2_proxy`, no predictor, no cache-manager). Three targets take turns, batch by
+batch, in a rotating order so machine noise hits all alike:
+  direct    llama-server itself, requests tagged with X-MoE-Domain
+  gateway   the gateway, requests tagged with X-MoE-Domain (pure proxy cost)
+  keyword   the gateway, untagged requests: the domain comes from the in-process keyword tier
+Per request: end-to-end latency (to the last byte), time to first token; per batch: tokens/s.
+
+    python bench/gateway_overhead.py [--tokens 64] [--rounds 1:20,8:8,32:4] [--out bench/results/gateway_overhead.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from moe_l2_common.demo_model import make_demo_model
+from moe_l2_common.supervisor import ServiceSpec, Supervisor, free_port, http_ok
+from moe_l2_llama.build import build
+from moe_l2_llama.settings import LlamaSettings, llama_server_command, llama_server_env
+
+TARGETS = ("direct", "gateway", "keyword")
+PROMPT = "write a python function that parses a csv file and sums a column"
+
+
+@dataclass
+class Sample:
+    latency_s: float
+    ttft_s: float
+    tokens: int
+
+
+def start_llama(supervisor: Supervisor, binary: Path, model: Path, threads: int) -> str:
+    settings = LlamaSettings(llama_port=free_port(), parallel=32, ctx_size=32 * 1024, telemetry=True, threads=threads)
+    url = f"http://127.0.0.1:{settings.llama_port}"
+    supervisor.start(
+        ServiceSpec(
+            name="bench-llama",
+            argv=llama_server_command(binary, model, settings),
+            env=llama_server_env(settings),
+            health=http_ok(f"{url}/health"),
+            url=url,
+        )
+    )
+    return url
+
+
+def start_gateway(supervisor: Supervisor, llama_url: str) -> str:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {
+        "MOE_L2_PROXY_PORT": str(port),
+        "MOE_L2_LLAMA_URL": llama_url,
+        "MOE_L2_PREDICTOR_URLS": "",
+        "MOE_L2_CACHE_URL": "",
+        "MOE_L2_LOG_LEVEL": "warning",
+    }
+    supervisor.start(
+        ServiceSpec(
+            name="bench-gateway",
+            argv=[sys.executable, "-m", "moe_l2_proxy"],
+            env=env,
+            health=http_ok(f"{url}/healthz"),
+            url=url,
+        )
+    )
+    return url
+
+
+async def one_request(client: httpx.AsyncClient, tokens: int, tagged: bool) -> Sample:
+    body = {
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
+    headers = {"X-MoE-Domain": "codegen"} if tagged else {}
+    t0 = time.perf_counter()
+    ttft = 0.0
+    n = 0
+    async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if line.startswith("data: {") and '"content":"' in line:
+                n += 1
+                if not ttft:
+                    ttft = time.perf_counter() - t0
+    return Sample(time.perf_counter() - t0, ttft, n)
+
+
+async def batch(client: httpx.AsyncClient, concurrency: int, tokens: int, tagged: bool) -> tuple[float, list[Sample]]:
+    t0 = time.perf_counter()
+    samples = await asyncio.gather(*(one_request(client, tokens, tagged) for _ in range(concurrency)))
+    return time.perf_counter() - t0, list(samples)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def summarize(samples: list[Sample], walls: list[float]) -> dict:
+    latencies = [s.latency_s for s in samples]
+    ttfts = [s.ttft_s for s in samples]
+    tokens = sum(s.tokens for s in samples)
+    return {
+        "requests": len(samples),
+        "latency_p50_ms": round(statistics.median(latencies) * 1000, 3),
+        "latency_p99_ms": round(percentile(latencies, 0.99) * 1000, 3),
+        "ttft_p50_ms": round(statistics.median(ttfts) * 1000, 3),
+        "ttft_p99_ms": round(percentile(ttfts, 0.99) * 1000, 3),
+        "tokens_per_s": round(tokens / sum(walls), 1),
+    }
+
+
+async def measure(urls: dict[str, str], rounds: dict[int, int], tokens: int) -> dict:
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    clients = {t: httpx.AsyncClient(base_url=urls[t], timeout=300, limits=limits) for t in TARGETS}
+    results: dict[str, dict] = {}
+    try:
+        for target in TARGETS:  # warm-up: connections, caches, the keyword tier
+            await batch(clients[target], 4, 8, target != "keyword")
+        for concurrency, n_rounds in rounds.items():
+            samples: dict[str, list[Sample]] = {t: [] for t in TARGETS}
+            walls: dict[str, list[float]] = {t: [] for t in TARGETS}
+            for r in range(n_rounds):
+                order = TARGETS[r % 3 :] + TARGETS[: r % 3]
+                for target in order:
+                    wall, got = await batch(clients[target], concurrency, tokens, target != "keyword")
+                    samples[target] += got
+                    walls[target].append(wall)
+            stats = {t: summarize(samples[t], walls[t]) for t in TARGETS}
+            direct = stats["direct"]
+            for t in ("gateway", "keyword"):
+                stats[t]["added_latency_p50_ms"] = round(stats[t]["latency_p50_ms"] - direct["latency_p50_ms"], 3)
+                stats[t]["added_latency_p99_ms"] = round(stats[t]["latency_p99_ms"] - direct["latency_p99_ms"], 3)
+                stats[t]["added_ttft_p50_ms"] = round(stats[t]["ttft_p50_ms"] - direct["ttft_p50_ms"], 3)
+                stats[t]["throughput_ratio"] = round(stats[t]["tokens_per_s"] / direct["tokens_per_s"], 4)
+            results[str(concurrency)] = stats
+            print_level(concurrency, stats)
+    finally:
+        for client in clients.values():
+            await client.aclose()
+    return results
+
+
+def print_level(concurrency: int, stats: dict) -> None:
+    print(f"\nconcurrency {concurrency}")
+    print(f"  {'target':<8} {'p50 ms':>9} {'p99 ms':>9} {'ttft p50':>9} {'tok/s':>8} {'+p50 ms':>8} {'ratio':>6}")
+    for target, s in stats.items():
+        added, ratio = s.get("added_latency_p50_ms", 0.0), s.get("throughput_ratio", 1.0)
+        print(
+            f"  {target:<8} {s['latency_p50_ms']:>9.2f} {s['latency_p99_ms']:>9.2f} {s['ttft_p50_ms']:>9.2f} "
+            f"{s['tokens_per_s']:>8.0f} {added:>8.2f} {ratio:>6.3f}",
+            flush=True,
+        )
+
+
+def parse_rounds(text: str) -> dict[int, int]:
+    pairs = (item.split(":") for item in text.split(","))
+    return {int(c): int(r) for c, r in pairs}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=64, help="tokens generated per request")
+    parser.add_argument("--rounds", default="1:20,8:8,32:4", help="concurrency:rounds, comma-separated")
+    parser.add_argument("--threads", type=int, default=1, help="llama-server CPU threads")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "gateway_overhead.json")
+    args = parser.parse_args(argv)
+    rounds = parse_rounds(args.rounds)
+
+    binary = build()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Path(tmp) / "demo.gguf"
+        make_demo_model(model, seed=0)
+        supervisor = Supervisor(Path(tmp) / "logs")
+        try:
+            llama = start_llama(supervisor, binary, model, args.threads)
+            gateway = start_gateway(supervisor, llama)
+            urls = {"direct": llama, "gateway": gateway, "keyword": gateway}
+            results = asyncio.run(measure(urls, rounds, args.tokens))
+        finally:
+            supervisor.stop()
+
+    gw32 = results.get("32", {}).get("gateway", {})
+    gw1 = results.get("1", {}).get("gateway", {})
+    report = {
+        "benchmark": "gateway_overhead",
+        "workload": {
+            "endpoint": "/v1/chat/completions",
+            "stream": True,
+            "tokens_per_request": args.tokens,
+            "rounds": rounds,
+            "llama": {"parallel": 32, "ctx_size": 32 * 1024, "threads": args.threads, "model": "demo (seed 0)"},
+        },
+        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": _cpus()},
+        "targets": {"added_latency_p50_ms_max": 1.0, "throughput_ratio_at_32_min": 0.97},
+        "summary": {
+            "added_latency_p50_ms_at_1": gw1.get("added_latency_p50_ms"),
+            "throughput_ratio_at_32": gw32.get("throughput_ratio"),
+        },
+        "results": results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwritten to {args.out}")
+    return 0
+
+
+def _cpus() -> int:
+    import os
+
+    return os.cpu_count() or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

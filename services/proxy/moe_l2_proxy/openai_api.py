@@ -1,0 +1,125 @@
+"""The OpenAI API: llama-server's own, passed through byte for byte with the domain added.
+
+Generation requests are read only to decide their domain; the client's original body goes to
+llama unchanged, and the answer comes back unchanged (SSE relayed per upstream read, `[DONE]`
+included). Every other /v1 route is passed through with its method, query, body and headers.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from moe_l2_common.schemas.openai import ChatCompletionRequestView, CompletionRequestView, ErrorBody, ErrorDetail
+from moe_l2_proxy.domain import Decision, header_domain
+from moe_l2_proxy.errors import GatewayError, gateway_error_response
+from moe_l2_proxy.gateway import ClientDisconnected, Gateway, gateway, parse_body, until_disconnect
+from moe_l2_proxy.metrics import request_started
+from moe_l2_proxy.streaming import RelayResponse, SseObserver, observed, relay_raw
+from moe_l2_proxy.upstream import DOMAIN_HEADER, response_headers
+
+router = APIRouter()
+
+_SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+def prompt_text(prompt: str | list[str] | list[int] | list[list[int]]) -> str:
+    """The text of a completions prompt (token-id prompts have none to classify)."""
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(p for p in prompt if isinstance(p, str))
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    gw = gateway(request)
+    body = await request.body()
+    view = parse_body(body, ChatCompletionRequestView)
+    decision = await gw.domains.for_messages(request.headers.get(DOMAIN_HEADER), view.messages)
+    return await generate(request, gw, body, decision, bool(view.stream))
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    gw = gateway(request)
+    body = await request.body()
+    view = parse_body(body, CompletionRequestView)
+    decision = await gw.domains.for_text(request.headers.get(DOMAIN_HEADER), prompt_text(view.prompt))
+    return await generate(request, gw, body, decision, bool(view.stream))
+
+
+def target(request: Request) -> str:
+    query = request.url.query
+    return f"{request.url.path}?{query}" if query else request.url.path
+
+
+def sse_error(gw: Gateway, exc: httpx.HTTPError) -> bytes:
+    """The last event of a stream whose upstream failed midway (headers are already sent)."""
+    failure = gw.llama.transport_error(exc)
+    body = ErrorBody(error=ErrorDetail(message=failure.message, type="server_error", code=failure.code))
+    return b"data: " + body.model_dump_json().encode() + b"\n\n"
+
+
+async def generate(request: Request, gw: Gateway, body: bytes, decision: Decision, stream: bool) -> Response:
+    gw.record(decision)
+    extra = decision.headers()
+    headers = gw.llama.forward_headers(request.headers.items(), decision.domain)
+    try:
+        upstream = await until_disconnect(
+            request, gw.llama.send("POST", target(request), headers=headers, content=body, stream=stream)
+        )
+    except GatewayError as exc:
+        return gateway_error_response(request.url.path, exc, headers=extra)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    if not stream or upstream.status_code != 200:
+        if stream:
+            await upstream.aread()
+            await upstream.aclose()
+        count_blocking_tokens(gw, upstream)
+        return Response(upstream.content, upstream.status_code, headers={**response_headers(upstream), **extra})
+    route = request.url.path
+    observer = SseObserver(gw.metrics, route, request_started(request.scope))
+    chunks = observed(relay_raw(upstream, lambda exc: sse_error(gw, exc)), observer)
+    return RelayResponse(
+        chunks,
+        upstream,
+        headers={**response_headers(upstream), **_SSE_HEADERS, **extra},
+        on_close=observer.finish,
+    )
+
+
+def count_blocking_tokens(gw: Gateway, upstream: httpx.Response) -> None:
+    if upstream.status_code != 200:
+        return
+    try:
+        usage = json.loads(upstream.content).get("usage") or {}
+    except (ValueError, AttributeError):
+        return
+    gw.metrics.count_tokens(int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0)))
+
+
+@router.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"])
+async def passthrough(request: Request, path: str) -> Response:
+    """Any other /v1 route (models, embeddings, responses, ...) as it is, streamed back as it comes."""
+    gw = gateway(request)
+    body = await request.body()
+    domain = header_domain(request.headers.get(DOMAIN_HEADER))
+    headers = gw.llama.forward_headers(request.headers.items(), domain)
+    try:
+        upstream = await until_disconnect(
+            request, gw.llama.send(request.method, target(request), headers=headers, content=body or None, stream=True)
+        )
+    except GatewayError as exc:
+        return gateway_error_response(request.url.path, exc)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return RelayResponse(
+        relay_raw(upstream, lambda exc: sse_error(gw, exc)),
+        upstream,
+        status_code=upstream.status_code,
+        headers=response_headers(upstream),
+    )

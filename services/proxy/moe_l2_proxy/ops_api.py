@@ -1,0 +1,108 @@
+"""Probes and figures: /healthz (alive), /readyz (llama reachable), /metrics (Prometheus), /moe/stats (JSON)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import Any
+
+import httpx
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from moe_l2_proxy.errors import GatewayError
+from moe_l2_proxy.gateway import Gateway, gateway
+
+router = APIRouter()
+
+# llama-server's MoE counters (patch 0002): `llamacpp:moe_hot_hits_total{domain="codegen"} 123`
+_LLAMA_MOE_SAMPLE = re.compile(r'^llamacpp:(moe_\w+?)(?:_total)?(?:\{domain="([^"]*)"\})?\s+([0-9.eE+-]+)$')
+
+
+@router.get("/healthz")
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+async def readyz(request: Request) -> JSONResponse:
+    gw = gateway(request)
+    try:
+        resp = await gw.llama.client.get("/health", headers=gw.llama.own_headers(), timeout=2.0)
+        ready = resp.status_code == 200
+        reason = "" if ready else f"llama-server /health answered {resp.status_code}"
+    except httpx.HTTPError as exc:
+        ready, reason = False, f"llama-server unreachable ({type(exc).__name__})"
+    body = {"status": "ready" if ready else "not ready", "llama": gw.llama.url}
+    if reason:
+        body["reason"] = reason
+    return JSONResponse(body, status_code=200 if ready else 503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(gateway(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def parse_llama_moe_metrics(text: str) -> dict[str, Any]:
+    """llama's hot-set hit/miss counters per domain and the overall hit rate."""
+    per_metric: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        if match := _LLAMA_MOE_SAMPLE.match(line.strip()):
+            name, domain, value = match.groups()
+            per_metric.setdefault(name, {})[domain or ""] = float(value)
+    hits = per_metric.get("moe_hot_hits", {})
+    misses = per_metric.get("moe_hot_misses", {})
+    total_hits, total_misses = sum(hits.values()), sum(misses.values())
+    counted = total_hits + total_misses
+    return {
+        "hits": hits,
+        "misses": misses,
+        "hit_rate": round(total_hits / counted, 4) if counted else None,
+        "routed_tokens": per_metric.get("moe_routed_tokens", {}),
+        "hot_set_experts": per_metric.get("moe_hot_set_experts", {}).get(""),
+        "hot_set_switches": per_metric.get("moe_hot_set_switches", {}).get(""),
+    }
+
+
+async def llama_summary(gw: Gateway) -> dict[str, Any]:
+    async def hot_set() -> dict[str, Any] | None:
+        try:
+            return await gw.llama.get_json("/moe/hot-set", timeout_s=2.0)
+        except GatewayError:
+            return None
+
+    async def moe_metrics() -> dict[str, Any] | None:
+        try:
+            resp = await gw.llama.client.get("/metrics", headers=gw.llama.own_headers(), timeout=2.0)
+        except httpx.HTTPError:
+            return None
+        return parse_llama_moe_metrics(resp.text) if resp.status_code == 200 else None
+
+    hot, counters = await asyncio.gather(hot_set(), moe_metrics())
+    summary: dict[str, Any] = {"url": gw.llama.url, "reachable": hot is not None or counters is not None}
+    if hot is not None:
+        # the experts themselves are long lists; the summary keeps their count per layer
+        layers = hot.get("layers") or {}
+        summary["hot_set"] = {
+            "domain": hot.get("domain"),
+            "version": hot.get("version"),
+            "applied_version": hot.get("applied_version"),
+            "n_experts": hot.get("n_experts"),
+            "experts_per_layer": {layer: len(experts) for layer, experts in layers.items()},
+        }
+    if counters is not None:
+        summary.update(counters)
+    return summary
+
+
+@router.get("/moe/stats")
+async def stats(request: Request) -> dict[str, Any]:
+    gw = gateway(request)
+    summary = gw.metrics.summary()
+    summary["predictor"]["endpoints"] = gw.predictors.describe() if gw.predictors else []
+    summary["predictor"]["budget_ms"] = gw.settings.predict_budget_ms
+    summary["hints"]["queued"] = gw.hints.queue.qsize() if gw.hints else 0
+    summary["llama"] = await llama_summary(gw)
+    return summary

@@ -1,0 +1,158 @@
+"""Relaying a generation to the client as it happens, and stopping it when the client leaves.
+
+`RelayResponse` sends every piece the moment llama produces it (no buffering: one ASGI body
+message per upstream read) while a second task waits for the client's `http.disconnect`; when
+the client goes, the relay is cancelled and the upstream response closed, which closes the TCP
+connection to llama-server, whose slot then stops generating.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import anyio
+import httpx
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from moe_l2_proxy.metrics import GatewayMetrics, mark_disconnected
+
+# An SSE line longer than this is relayed but not inspected for token counts (memory stays bounded).
+_MAX_CARRY = 1 << 20
+
+
+class RelayResponse(Response):
+    def __init__(
+        self,
+        body: AsyncIterator[bytes],
+        upstream: httpx.Response,
+        status_code: int = 200,
+        headers: dict[str, str] | None = None,
+        media_type: str | None = None,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
+        self.body_iterator = body
+        self.upstream = upstream
+        self.status_code = status_code
+        self.media_type = media_type
+        self.on_close = on_close
+        self.background = None
+        self.init_headers(headers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        completed = False
+        disconnected = False
+
+        async def relay(cancel: anyio.CancelScope) -> None:
+            nonlocal completed, disconnected
+            try:
+                await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+                async for chunk in self.body_iterator:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                completed = True
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            except OSError:  # servers on ASGI spec 2.4 report a gone client this way
+                disconnected = True
+            cancel.cancel()
+
+        async def watch_disconnect(cancel: anyio.CancelScope) -> None:
+            nonlocal disconnected
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            disconnected = not completed
+            cancel.cancel()
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(relay, tg.cancel_scope)
+                tg.start_soon(watch_disconnect, tg.cancel_scope)
+        finally:
+            # shielded: the close must happen even though the surrounding scope is being cancelled
+            with anyio.CancelScope(shield=True):
+                aclose: Callable[[], Awaitable[None]] | None = getattr(self.body_iterator, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+                await self.upstream.aclose()
+            if disconnected:
+                mark_disconnected(scope)
+            if self.on_close is not None:
+                self.on_close()
+
+
+class SseObserver:
+    """Watches an OpenAI SSE stream as it passes (never delaying it) for the first token and the counts."""
+
+    def __init__(self, metrics: GatewayMetrics, route: str, t0: float) -> None:
+        self.metrics = metrics
+        self.route = route
+        self.t0 = t0
+        self.first_token = False
+        self.carry = b""
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.content_events = 0
+
+    def feed(self, chunk: bytes) -> None:
+        if not self.first_token and (b'"content":"' in chunk or b'"text":"' in chunk):
+            self.first_token = True
+            self.metrics.ttft.labels(self.route).observe(time.perf_counter() - self.t0)
+        data = self.carry + chunk if self.carry else chunk
+        lines = data.split(b"\n")
+        carry = lines.pop()
+        self.carry = carry if len(carry) < _MAX_CARRY else b""
+        for line in lines:
+            if not line.startswith(b"data: {"):
+                continue
+            self.content_events += 1
+            if b'"usage"' in line or b'"timings"' in line:
+                self._read_counts(line[6:])
+
+    def _read_counts(self, payload: bytes) -> None:
+        try:
+            event = json.loads(payload)
+        except ValueError:
+            return
+        usage = event.get("usage") or {}
+        timings = event.get("timings") or {}
+        if usage:
+            self.prompt_tokens = int(usage.get("prompt_tokens", 0))
+            self.completion_tokens = int(usage.get("completion_tokens", 0))
+        elif timings:
+            self.prompt_tokens = int(timings.get("prompt_n", 0)) + int(timings.get("cache_n", 0))
+            self.completion_tokens = int(timings.get("predicted_n", 0))
+
+    def finish(self) -> None:
+        completion = self.completion_tokens
+        if not completion and self.content_events:
+            # a server without usage/timings: one event per token, less the role and finish events
+            completion = max(0, self.content_events - 2)
+        self.metrics.count_tokens(self.prompt_tokens, completion)
+
+
+async def observed(chunks: AsyncIterator[bytes], observer: SseObserver) -> AsyncIterator[bytes]:
+    async for chunk in chunks:
+        observer.feed(chunk)
+        yield chunk
+
+
+async def relay_raw(upstream: httpx.Response, on_error: Callable[[httpx.HTTPError], bytes]) -> AsyncIterator[bytes]:
+    """llama's bytes as they arrive; a transport failure midway ends the stream with `on_error`'s bytes."""
+    try:
+        async for chunk in upstream.aiter_raw():
+            yield chunk
+    except httpx.HTTPError as exc:
+        yield on_error(exc)
+
+
+async def sse_payloads(upstream: httpx.Response) -> AsyncIterator[str]:
+    """The `data:` payloads of an SSE stream, one per event, `[DONE]` excluded."""
+    async for line in upstream.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            return
+        if payload:
+            yield payload

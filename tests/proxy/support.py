@@ -1,0 +1,173 @@
+"""Helpers of the gateway tests: process handles, metric parsing, request bodies."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from moe_l2_common.supervisor import ServiceSpec, Supervisor, http_ok
+from moe_l2_llama.service import llama_service_spec
+from moe_l2_llama.settings import LlamaSettings
+
+PLACEHOLDER_STATUS = 2  # moe_l2_common.placeholder.not_built
+
+
+@dataclass
+class GatewayProc:
+    url: str
+    client: httpx.Client
+    log_path: Path
+    proc: subprocess.Popen[bytes]
+
+    def metrics_text(self) -> str:
+        return self.client.get("/metrics").raise_for_status().text
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples of `name` whose labels include `labels` (0 if none)."""
+        return metric_value(self.metrics_text(), name, **labels)
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    pattern = re.compile(rf"^{re.escape(name)}(?:\{{(.*)\}})?\s+(\S+)$")
+    for line in text.splitlines():
+        match = pattern.match(line)
+        if not match:
+            continue
+        found = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', match.group(1) or ""))
+        if all(found.get(k) == v for k, v in labels.items()):
+            total += float(match.group(2))
+    return total
+
+
+@dataclass
+class ManagedProcess:
+    """A service this test owns: it may stop, kill, freeze (SIGSTOP) and restart it on the same port."""
+
+    name: str
+    port: int
+    make_spec: Callable[[int], ServiceSpec]
+    supervisor: Supervisor
+    proc: subprocess.Popen[bytes] | None = None
+    frozen: bool = field(default=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.proc = self.supervisor.start(self.make_spec(self.port)).proc
+
+    def stop(self) -> None:
+        self.thaw()
+        self.supervisor.stop(timeout_s=10)
+        self.proc = None
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.thaw()
+        self.proc.kill()
+        self.proc.wait()
+
+    def freeze(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+        self.frozen = True
+
+    def thaw(self) -> None:
+        if self.frozen and self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+        self.frozen = False
+
+
+def llama_spec(
+    binary: Path, model: Path, name: str, extra_args: str = "", parallel: int = 2, ctx_size: int = 4096
+) -> Callable[[int], ServiceSpec]:
+    def spec(port: int) -> ServiceSpec:
+        settings = LlamaSettings(
+            llama_port=port,
+            parallel=parallel,
+            ctx_size=ctx_size,
+            telemetry=True,
+            threads=1,  # see gateway_llamas in conftest.py
+            llama_extra_args=extra_args,
+        )
+        return llama_service_spec(name, binary, model, settings)
+
+    return spec
+
+
+def predictor_spec(name: str) -> Callable[[int], ServiceSpec]:
+    def spec(port: int) -> ServiceSpec:
+        base = f"http://127.0.0.1:{port}"
+        return ServiceSpec(
+            name=name,
+            argv=[sys.executable, "-m", "moe_l2_predictor"],
+            # the keyword and TF-IDF tiers: a real predictor that starts in seconds on 2 cores
+            env={
+                "MOE_L2_PREDICTOR_PORT": str(port),
+                "MOE_L2_PREDICTOR_HOST": "127.0.0.1",
+                "MOE_L2_PREDICTOR_TIERS": os.environ.get("MOE_L2_TEST_PREDICTOR_TIERS", "keyword,tfidf"),
+            },
+            health=http_ok(f"{base}/healthz"),
+            url=base,
+            start_timeout_s=180,
+        )
+
+    return spec
+
+
+class BlackHole:
+    """A TCP port that accepts connections into its backlog and never answers: a hung service."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def chat_body(text: str = "hello there", max_tokens: int = 4, **extra: object) -> dict:
+    return {"model": "demo", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, **extra}
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()
+
+
+def until_predicted(gateway: GatewayProc, predictor_url: str, cooldown_s: float, attempts: int = 4) -> httpx.Response:
+    """A chat answered with the predictor's domain, retried past a cooldown: on a busy machine the
+    very first call (cold connection, cold predictor) can miss a 50 ms budget."""
+    for _ in range(3):
+        httpx.post(f"{predictor_url}/v1/predict", json={"text": "warm up"}, timeout=30)
+    for _ in range(attempts):
+        resp = gateway.client.post("/v1/chat/completions", json=chat_body("fix this segfault in my C++ code"))
+        if resp.headers.get("x-moe-domain-source") == "predictor":
+            return resp
+        time.sleep(cooldown_s + 0.1)
+    raise AssertionError("the gateway never used the predictor's answer")

@@ -1,0 +1,145 @@
+"""HTTP behaviour: error formats, limits, API keys, passthrough, metrics, stats, what is logged."""
+
+from __future__ import annotations
+
+import ollama
+import openai
+import pytest
+
+from tests.proxy.support import chat_body, metric_value
+
+pytestmark = pytest.mark.llama
+
+
+@pytest.mark.parametrize("body", [b"{bad json", b"", b"[1, 2]", b'{"messages": "not a list"}'])
+def test_malformed_body_is_400_openai_error(gateway, body):
+    resp = gateway.client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert resp.status_code == 400
+    error = resp.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+
+
+def test_malformed_body_is_400_ollama_error(gateway):
+    resp = gateway.client.post("/api/chat", content=b"{bad json")
+    assert resp.status_code == 400
+    assert isinstance(resp.json()["error"], str)
+
+
+def test_unknown_routes_answer_in_the_api_format(gateway):
+    assert isinstance(gateway.client.get("/api/nothing").json()["error"], str)
+    v1 = gateway.client.get("/v1/nothing")  # passed through: llama's own OpenAI 404
+    assert v1.status_code == 404 and v1.json()["error"]["message"]
+
+
+def test_body_over_the_limit_is_413(start_gateway, llama32):
+    gw = start_gateway(llama32.url, MOE_L2_MAX_BODY_BYTES="2000")
+    small = gw.client.post("/v1/chat/completions", json=chat_body("x" * 100))
+    assert small.status_code == 200
+    big = gw.client.post("/v1/chat/completions", json=chat_body("x" * 5000))
+    assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+
+    def chunks():  # no Content-Length: the limit applies while the body streams in
+        yield b'{"messages": [{"role": "user", "content": "'
+        for _ in range(10):
+            yield b"y" * 500
+        yield b'"}]}'
+
+    chunked = gw.client.post("/v1/chat/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert chunked.status_code == 413
+    assert gw.client.post("/api/generate", json={"model": "d", "prompt": "z" * 5000}).json()["error"]
+
+
+def test_api_keys(start_gateway, llama32):
+    gw = start_gateway(llama32.url, MOE_L2_API_KEYS="key-one,key-two")
+    missing = gw.client.post("/v1/chat/completions", json=chat_body())
+    assert missing.status_code == 401 and missing.json()["error"]["type"] == "authentication_error"
+    wrong = gw.client.post("/v1/chat/completions", json=chat_body(), headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401
+    assert gw.client.get("/api/tags", headers={"Authorization": "Bearer nope"}).json()["error"] == "invalid API key"
+    for key in ("key-one", "key-two"):
+        ok = gw.client.post("/v1/chat/completions", json=chat_body(), headers={"Authorization": f"Bearer {key}"})
+        assert ok.status_code == 200
+    assert gw.client.get("/healthz").status_code == 200  # probes stay open
+    assert gw.client.get("/metrics").status_code == 200
+
+    sdk = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="key-two", max_retries=0)
+    assert sdk.chat.completions.create(model="d", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{gw.url}/v1", api_key="bad", max_retries=0).models.list()
+    client = ollama.Client(host=gw.url, headers={"Authorization": "Bearer key-one"})
+    assert client.list().models
+
+
+def test_llama_api_key_is_sent_only_towards_llama(start_gateway, managed, llama_binary, demo_model):
+    from tests.proxy.support import llama_spec
+
+    keyed = managed("keyed-llama", llama_spec(llama_binary, demo_model, "keyed-llama", "--api-key llama-secret"))
+    keyed.start()
+    without = start_gateway(keyed.url, MOE_L2_API_KEYS="client-key")
+    auth = {"Authorization": "Bearer client-key"}
+    # the client's own key is never forwarded: llama refuses
+    assert without.client.post("/v1/chat/completions", json=chat_body(), headers=auth).status_code == 401
+    with_key = start_gateway(keyed.url, MOE_L2_API_KEYS="client-key", MOE_L2_LLAMA_API_KEY="llama-secret")
+    assert with_key.client.post("/v1/chat/completions", json=chat_body(), headers=auth).status_code == 200
+    assert with_key.client.get("/v1/models", headers=auth).status_code == 200
+    ollama_chat = {
+        "model": "d",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": False,
+        "options": {"num_predict": 2},
+    }
+    assert with_key.client.post("/api/chat", json=ollama_chat, headers=auth).status_code == 200
+
+
+def test_passthrough_keeps_method_query_and_body(gateway, llama32):
+    # llama's own /v1 routes the gateway does not know about
+    emb = gateway.client.post("/v1/embeddings", json={"input": "hello"})
+    direct = llama32.client.post("/v1/embeddings", json={"input": "hello"})
+    assert emb.status_code == direct.status_code  # 501 here: the demo llama runs without --embeddings
+    assert emb.json() == direct.json()
+    models = gateway.client.get("/v1/models", params={"x": "1"})
+    assert models.status_code == 200 and models.json()["data"]
+
+
+def test_metrics_and_stats(gateway):
+    gateway.client.post("/v1/chat/completions", json=chat_body(stream=True), headers={"X-MoE-Domain": "codegen"})
+    ollama_body = {"model": "d", "messages": [{"role": "user", "content": "hi"}], "options": {"num_predict": 4}}
+    gateway.client.post("/api/chat", json=ollama_body)
+    text = gateway.metrics_text()
+    assert metric_value(text, "moe_l2_requests_total", route="/v1/chat/completions", status="200") >= 1
+    assert metric_value(text, "moe_l2_request_duration_seconds_count", route="/v1/chat/completions") >= 1
+    assert metric_value(text, "moe_l2_ttft_seconds_count", route="/v1/chat/completions") >= 1
+    assert metric_value(text, "moe_l2_ttft_seconds_count", route="/api/chat") >= 1
+    assert metric_value(text, "moe_l2_tokens_total", kind="completion") >= 4
+    assert metric_value(text, "moe_l2_domain_total", domain="codegen", source="header") >= 1
+    for name in ("moe_l2_predictor_request_seconds", "moe_l2_upstream_errors_total", "moe_l2_hints_dropped_total"):
+        assert f"# HELP {name.removesuffix('_total')}" in text
+
+    stats = gateway.client.get("/moe/stats").json()
+    assert stats["requests"]["total"] >= 2
+    assert stats["domains"]["by_source"]["codegen"]["header"] >= 1
+    assert abs(sum(stats["domains"]["share"].values()) - 1) < 0.01
+    llama = stats["llama"]
+    assert llama["reachable"] is True
+    assert "codegen" in llama["routed_tokens"] and "hits" in llama and "misses" in llama
+    assert "hot_set" in llama
+
+
+def test_prompts_are_not_logged(start_gateway, llama32):
+    gw = start_gateway(llama32.url, MOE_L2_PREDICTOR_URLS=f"http://127.0.0.1:{_free()}", MOE_L2_ACCESS_LOG="true")
+    secret = "zebracorn-secret-prompt"
+    gw.client.post("/v1/chat/completions", json=chat_body(secret))
+    gw.client.post("/v1/chat/completions", json=chat_body(secret, stream=True))
+    gw.client.post(
+        "/api/generate", json={"model": "d", "prompt": secret, "stream": False, "options": {"num_predict": 2}}
+    )
+    gw.client.post("/v1/chat/completions", content=b'{"messages": "' + secret.encode() + b'"}')
+    log = gw.log_text()
+    assert "POST /v1/chat/completions" in log  # the access log is on, yet
+    assert secret not in log
+
+
+def _free() -> int:
+    from moe_l2_common.supervisor import free_port
+
+    return free_port()
