@@ -10,8 +10,9 @@ import httpx
 import pytest
 
 from moe_l2_common.demo_model import load_planted, make_demo_model
-from moe_l2_common.supervisor import ServiceSpec, Supervisor, free_port, http_ok
-from moe_l2_llama.settings import LlamaSettings, llama_server_binary, llama_server_command, llama_server_env
+from moe_l2_common.supervisor import Supervisor, free_port
+from moe_l2_llama.service import llama_service_spec
+from moe_l2_llama.settings import LlamaSettings, llama_server_binary
 
 
 @dataclass
@@ -62,16 +63,7 @@ def start_llama(
             llama_port=free_port(), parallel=parallel, ctx_size=ctx_size, telemetry=telemetry, threads=2
         )
         base = f"http://{settings.llama_host}:{settings.llama_port}"
-        running = supervisor.start(
-            ServiceSpec(
-                name=name,
-                argv=llama_server_command(llama_binary, demo_model, settings),
-                env=llama_server_env(settings),
-                health=http_ok(f"{base}/health"),
-                url=base,
-                start_timeout_s=120,
-            )
-        )
+        running = supervisor.start(llama_service_spec(name, llama_binary, demo_model, settings))
         client = httpx.Client(base_url=base, timeout=120)
         clients.append(client)
         return LlamaServer(url=base, client=client, log_path=running.log_path)

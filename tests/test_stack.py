@@ -34,13 +34,18 @@ def wait_for_line(proc: subprocess.Popen[str], marker: str, timeout_s: float) ->
 
 
 def test_up_serves_the_demo_model_and_stops_cleanly(llama_binary: Path, tmp_path: Path) -> None:
-    llama_port, redis_port = free_port(), free_port()
+    llama_port, redis_port, proxy_port = free_port(), free_port(), free_port()
     env = {
         **os.environ,
         "MOE_L2_LLAMA_PORT": str(llama_port),
         "MOE_L2_REDIS_PORT": str(redis_port),
+        "MOE_L2_PROXY_PORT": str(proxy_port),
+        "MOE_L2_CACHE_PORT": str(free_port()),
+        "MOE_L2_PREDICTOR_PORT": str(free_port()),
         "MOE_L2_STATE_DIR": str(tmp_path / "state"),
         "MOE_L2_PARALLEL": "2",
+        # the flywheel's pulls would reset llama's routing counts under this test's feet
+        "MOE_L2_PULL_INTERVAL_S": "0",
     }
     env.pop("MOE_L2_MODEL_PATH", None)
     env.pop("MODEL", None)
@@ -54,7 +59,7 @@ def test_up_serves_the_demo_model_and_stops_cleanly(llama_binary: Path, tmp_path
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
     try:
-        output = "".join(wait_for_line(proc, "Ctrl-C stops everything", timeout_s=300))
+        output = "".join(wait_for_line(proc, "Ctrl-C stops everything", timeout_s=600))
         assert f"http://127.0.0.1:{llama_port}/v1" in output
         assert f"redis://127.0.0.1:{redis_port}/0" in output
         assert (tmp_path / "state" / "models" / "moe-l2-demo-seed0.gguf").is_file()
@@ -68,12 +73,26 @@ def test_up_serves_the_demo_model_and_stops_cleanly(llama_binary: Path, tmp_path
         assert resp.json()["choices"][0]["message"]["content"]
         assert httpx.get(f"http://127.0.0.1:{llama_port}/moe/routing", timeout=10).json()["tokens"] > 0
 
+        # and through the gateway, with the domain predicted for it
+        resp = httpx.post(
+            f"http://127.0.0.1:{proxy_port}/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "solve the integral of x squared"}], "max_tokens": 4},
+            timeout=60,
+        )
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["X-MoE-Domain"] == "math"
+
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+            # SIGTERM lets `up` stop its children; SIGKILL would orphan them
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
     assert not port_in_use("127.0.0.1", llama_port)
     assert not port_in_use("127.0.0.1", redis_port)
     # Redis persisted with AOF into the state folder

@@ -30,6 +30,10 @@ class StackSettings(BaseSettings):
         default_factory=lambda: Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "moe-l2",
         description="logs, Redis' append-only file, the generated demo model",
     )
+    # the ports the services are wired to each other with (each service reads its own as well)
+    llama_port: int = Field(default=11436, ge=1, le=65535)
+    cache_port: int = Field(default=11438, ge=1, le=65535)
+    proxy_port: int = Field(default=11435, ge=1, le=65535)
     demo_seed: int = 0
     start_timeout_s: float = Field(default=180.0, gt=0)
 
@@ -67,17 +71,11 @@ def redis_service(settings: StackSettings) -> ServiceSpec:
 
 
 def llama_service(settings: StackSettings, model: Path, binary: Path) -> ServiceSpec:
-    from moe_l2_llama.settings import LlamaSettings, llama_server_command, llama_server_env
+    from moe_l2_llama.service import llama_service_spec
+    from moe_l2_llama.settings import LlamaSettings
 
-    llama = LlamaSettings()
-    base = f"http://{llama.llama_host}:{llama.llama_port}"
-    return ServiceSpec(
-        name="llama",
-        argv=llama_server_command(binary, model, llama),
-        env=llama_server_env(llama),
-        health=http_ok(f"{base}/health"),
-        url=f"{base}/v1",
-        start_timeout_s=settings.start_timeout_s,
+    return llama_service_spec(
+        "llama", binary, model, LlamaSettings(), url_path="/v1", start_timeout_s=settings.start_timeout_s
     )
 
 
@@ -108,11 +106,36 @@ def python_service(name: str, module: str, port: int, env: dict[str, str] | None
     )
 
 
+def cache_manager_service(settings: StackSettings, model: Path) -> ServiceSpec:
+    return python_service(
+        "cache-manager",
+        "moe_l2_cache",
+        settings.cache_port,
+        {
+            "MOE_L2_MODEL_PATH": str(model),
+            "MOE_L2_REDIS_URL": f"redis://{settings.redis_host}:{settings.redis_port}/0",
+            "MOE_L2_LLAMA_URL": f"http://127.0.0.1:{settings.llama_port}",
+        },
+    )
+
+
+def proxy_service(settings: StackSettings, predictor_urls: str) -> ServiceSpec:
+    # MOE_L2_PREDICTOR_URLS set by the user wins over the replicas started here
+    urls = os.environ.get("MOE_L2_PREDICTOR_URLS") or predictor_urls
+    return python_service("proxy", "moe_l2_proxy", settings.proxy_port, {"MOE_L2_PREDICTOR_URLS": urls})
+
+
 def stack_services(settings: StackSettings, model: Path, binary: Path) -> list[ServiceSpec]:
-    """The services of the local stack, in start order."""
+    """The services of the local stack, in start order; the gateway last, once its upstreams answer."""
+    # imported here: moe_l2_predictor.stack builds on this module's python_service()
+    from moe_l2_predictor.stack import predictor_services, predictor_urls
+
     return [
         redis_service(settings),
         llama_service(settings, model, binary),
+        cache_manager_service(settings, model),
+        *predictor_services(),  # MOE_L2_PREDICTOR_REPLICAS processes
+        proxy_service(settings, predictor_urls()),
     ]
 
 
@@ -168,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
             supervisor.start(spec)
         print("\nmoe-l2 is up:", flush=True)
         for spec in services:
-            print(f"  {spec.name:<12} {spec.url}", flush=True)
-        print(f"  model        {model}\n  logs         {supervisor.log_dir}\nCtrl-C stops everything.", flush=True)
+            print(f"  {spec.name:<14} {spec.url}", flush=True)
+        print(f"  model          {model}\n  logs           {supervisor.log_dir}\nCtrl-C stops everything.", flush=True)
         supervisor.watch()
     except KeyboardInterrupt:
         print("\nstopping ...", file=sys.stderr, flush=True)

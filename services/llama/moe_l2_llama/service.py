@@ -1,0 +1,29 @@
+"""llama-server as a supervised service: the one place its command, environment and health check meet."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from moe_l2_common.supervisor import ServiceSpec, http_ok
+from moe_l2_llama.settings import LlamaSettings, llama_server_command, llama_server_env
+
+
+def llama_service_spec(
+    name: str,
+    binary: Path,
+    model: Path,
+    settings: LlamaSettings,
+    *,
+    url_path: str = "",
+    start_timeout_s: float = 120.0,
+) -> ServiceSpec:
+    """A ServiceSpec that runs the patched llama-server and is healthy once /health answers 200."""
+    base = f"http://{settings.llama_host}:{settings.llama_port}"
+    return ServiceSpec(
+        name=name,
+        argv=llama_server_command(binary, model, settings),
+        env=llama_server_env(settings),
+        health=http_ok(f"{base}/health"),
+        url=base + url_path,
+        start_timeout_s=start_timeout_s,
+    )
