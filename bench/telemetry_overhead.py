@@ -21,9 +21,8 @@ import httpx
 
 from moe_l2_common.demo_model import DemoModelSpec, load_planted, make_demo_model
 from moe_l2_common.supervisor import Supervisor, free_port
-from moe_l2_llama.build import build
 from moe_l2_llama.service import llama_service_spec
-from moe_l2_llama.settings import LlamaSettings
+from moe_l2_llama.settings import LlamaSettings, llama_server_binary
 
 MODELS = {
     # the model the tests use: tiny layers, so the per-layer cost of telemetry weighs most here
@@ -92,7 +91,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("bench/results/telemetry_overhead.json"))
     args = parser.parse_args()
 
-    binary = build()
+    binary = llama_server_binary(LlamaSettings())  # MOE_L2_LLAMA_SERVER, else the cached build
     results: dict = {
         "benchmark": "telemetry_overhead",
         "machine": {"cpu_count": __import__("os").cpu_count(), "platform": platform.platform()},
