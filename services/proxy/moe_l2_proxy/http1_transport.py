@@ -242,11 +242,15 @@ class Http1Transport(httpx.AsyncBaseTransport):
         else:
             conn.close()
 
-    async def aclose(self) -> None:
+    def drop_idle(self) -> None:
+        """Closes every pooled connection: after one was found dead, its siblings likely are too."""
         for idle in self.idle.values():
             for conn in idle:
                 conn.close()
         self.idle.clear()
+
+    async def aclose(self) -> None:
+        self.drop_idle()
 
 
 def _request_head(request: httpx.Request, body_length: int) -> bytes:

@@ -54,6 +54,11 @@ class LlamaUpstream:
         self.metrics = metrics
         self._model_id: str | None = None
         self.authorization = f"Bearer {settings.llama_api_key}" if settings.llama_api_key else None
+        self.transport = Http1Transport(
+            max_connections=settings.llama_max_connections,
+            max_keepalive=min(settings.llama_max_connections, 128),
+            keepalive_expiry=4.0,  # under llama-server's keep-alive timeout (5 s), so it never closes first
+        )
         self.client = httpx.AsyncClient(
             base_url=self.url,
             timeout=httpx.Timeout(
@@ -64,11 +69,7 @@ class LlamaUpstream:
                 pool=30.0,
             ),
             # the per-token relay path: httptools instead of httpcore/h11/anyio (see http1_transport)
-            transport=Http1Transport(
-                max_connections=settings.llama_max_connections,
-                max_keepalive=min(settings.llama_max_connections, 128),
-                keepalive_expiry=4.0,  # under llama-server's keep-alive timeout (5 s), so it never closes first
-            ),
+            transport=self.transport,
         )
         self._extensions = {"timeout": self.client.timeout.as_dict()}
 
@@ -100,8 +101,10 @@ class LlamaUpstream:
             try:
                 return await self.client.send(request, stream=stream)
             except httpx.RemoteProtocolError:
-                # a pooled keep-alive connection closed by llama (restart) before it answered: once more
+                # a pooled keep-alive connection closed by llama before it answered (a restart, or several
+                # idle connections closed at once under load): once more, on a fresh connection
                 self.metrics.upstream_errors.labels("llama", "retried").inc()
+                self.transport.drop_idle()
                 return await self.client.send(request, stream=stream)
         except httpx.HTTPError as exc:
             raise self.transport_error(exc) from exc
