@@ -10,10 +10,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from moe_l2_common.supervisor import ServiceSpec, Supervisor, SupervisorError, free_port, http_ok
+from moe_l2_common.supervisor import ServiceSpec, Supervisor, free_port, http_ok
 from tests.conftest import LlamaServer
 from tests.proxy.support import (
-    PLACEHOLDER_STATUS,
     BlackHole,
     GatewayProc,
     ManagedProcess,
@@ -121,17 +120,11 @@ def managed(tmp_path: Path) -> Iterator[Callable[[str, Callable[[int], ServiceSp
 
 @pytest.fixture
 def start_predictor(managed) -> Callable[[str], ManagedProcess]:
-    """A real `python -m moe_l2_predictor`; the test is skipped while that package is a placeholder."""
+    """A real `python -m moe_l2_predictor`; a failure to start fails the test."""
 
     def start(name: str = "predictor") -> ManagedProcess:
         service = managed(name, predictor_spec(name))
-        try:
-            service.start()
-        except SupervisorError as exc:
-            failed = service.supervisor.running[-1].proc.returncode if service.supervisor.running else None
-            if failed == PLACEHOLDER_STATUS:
-                pytest.skip("the predictor service is still the placeholder (python -m moe_l2_predictor exits 2)")
-            raise exc
+        service.start()
         return service
 
     return start

@@ -19,8 +19,6 @@ from moe_l2_common.supervisor import ServiceSpec, Supervisor, http_ok
 from moe_l2_llama.service import llama_service_spec
 from moe_l2_llama.settings import LlamaSettings
 
-PLACEHOLDER_STATUS = 2  # moe_l2_common.placeholder.not_built
-
 
 @dataclass
 class GatewayProc:
