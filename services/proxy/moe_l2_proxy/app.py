@@ -1,17 +1,20 @@
-"""The gateway application: FastAPI routes, pure-ASGI middleware, one httpx client per upstream."""
+"""The gateway application: FastAPI routes, pure-ASGI layers around them, one httpx client per upstream."""
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import httpx
 from fastapi import FastAPI
+from starlette.types import ASGIApp
 
 from moe_l2_common.keywords import KeywordClassifier
 from moe_l2_proxy import ollama_api, openai_api, ops_api
 from moe_l2_proxy.auth import ApiKeyAuth
+from moe_l2_proxy.dispatch import GenerationDispatch
 from moe_l2_proxy.domain import DomainResolver
 from moe_l2_proxy.errors import install_error_handlers
 from moe_l2_proxy.gateway import Gateway
@@ -67,6 +70,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         hints.start()
     resolver = DomainResolver(predictors, settings.predict_budget_ms / 1000, KeywordClassifier())
     app.state.gateway = Gateway(settings, metrics, llama, resolver, predictors, hints)
+    settle_heap()
     log.info(
         "gateway ready: llama %s, predictors %s, cache-manager %s",
         llama.url,
@@ -86,9 +90,36 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await llama.aclose()
 
 
+class GatewayApp(FastAPI):
+    """FastAPI with the gateway's own ASGI layers around it: metrics outermost (they see every answer),
+    then auth (before any body is read), the body limit, and the generation routes' dispatch."""
+
+    def build_middleware_stack(self) -> ASGIApp:
+        settings: ProxySettings = self.state.settings
+        routes = {
+            "/v1/chat/completions": openai_api.chat_completions,
+            "/v1/completions": openai_api.completions,
+            "/api/chat": ollama_api.chat,
+            "/api/generate": ollama_api.generate,
+        }
+        app = GenerationDispatch(super().build_middleware_stack(), routes)
+        app = BodyLimit(app, max_bytes=settings.max_body_bytes)
+        app = ApiKeyAuth(app, keys=settings.api_key_list)
+        return RequestMetrics(app, metrics=self.state.metrics)
+
+
+def settle_heap() -> None:
+    """Moves everything built at startup (modules, FastAPI's routes, pydantic schemas, the keyword
+    tier: most of the heap) out of the garbage collector's reach. Requests allocate many short-lived
+    objects, and every older-generation collection would otherwise walk that whole startup heap: on
+    the demo model that was ~7% of the gateway's CPU per streamed token."""
+    gc.collect()
+    gc.freeze()
+
+
 def create_app(settings: ProxySettings | None = None) -> FastAPI:
     settings = settings or ProxySettings()
-    app = FastAPI(
+    app = GatewayApp(
         title="moe-l2 gateway",
         description="OpenAI- and Ollama-compatible gateway in front of the patched llama-server",
         lifespan=lifespan,
@@ -102,8 +133,4 @@ def create_app(settings: ProxySettings | None = None) -> FastAPI:
     app.include_router(ops_api.router)
     app.include_router(openai_api.router)
     app.include_router(ollama_api.router)
-    # added last = outermost: metrics see every answer, auth runs before the body is read
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
-    app.add_middleware(ApiKeyAuth, keys=settings.api_key_list)
-    app.add_middleware(RequestMetrics, metrics=app.state.metrics)
     return app

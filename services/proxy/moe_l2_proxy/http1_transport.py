@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import cast
 
 import httptools
@@ -33,6 +33,9 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.idle_since = 0.0
+        # the read timeout: one timer re-armed lazily, not one created and cancelled per token
+        self.deadline = 0.0
+        self.timer: asyncio.TimerHandle | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -91,13 +94,24 @@ class _Connection(asyncio.Protocol):
     async def wait(self, timeout: float | None) -> None:
         """Until more data, the end of the message or of the connection; TimeoutError after `timeout`."""
         waiter = self.waiter = self.loop.create_future()
-        timer = self.loop.call_later(timeout, _expire, waiter) if timeout is not None else None
+        if timeout is not None:
+            self.deadline = self.loop.time() + timeout
+            if self.timer is None:
+                self.timer = self.loop.call_at(self.deadline, self._check_deadline)
         try:
             await waiter
         finally:
             self.waiter = None
-            if timer is not None:
-                timer.cancel()
+
+    def _check_deadline(self) -> None:
+        self.timer = None
+        waiter = self.waiter
+        if waiter is None or waiter.done():
+            return  # nobody waiting: the next wait arms the timer again
+        if self.loop.time() < self.deadline:
+            self.timer = self.loop.call_at(self.deadline, self._check_deadline)  # data came since: later
+        else:
+            waiter.set_exception(asyncio.TimeoutError())
 
     def take(self) -> bytes:
         data = self.chunks.popleft() if len(self.chunks) == 1 else b"".join(self.chunks)
@@ -115,11 +129,9 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None and not self.closed:
             self.transport.close()
         self.closed = True
-
-
-def _expire(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_exception(asyncio.TimeoutError())
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
 
 class _Body(httpx.AsyncByteStream):
@@ -165,15 +177,24 @@ class Http1Transport(httpx.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if request.url.scheme != "http":
             raise httpx.UnsupportedProtocol("this transport speaks plain http:// only")
-        timeouts = request.extensions.get("timeout", {})
+        body = await request.aread()
         origin = (request.url.host, request.url.port or 80)
+        head = _request_head(request.method, request.url.raw_path, request.headers.raw, len(body))
+        response = await self.exchange(origin, request.method, head + body, request.extensions.get("timeout", {}))
+        response.request = request
+        return response
+
+    async def exchange(
+        self, origin: tuple[str, int], method: str, message: bytes, timeouts: Mapping[str, float | None]
+    ) -> httpx.Response:
+        """Sends one whole request message (head and body) and returns the response once its head is in;
+        the body streams. For callers that build the message themselves, without an httpx.Request."""
         await self._acquire_slot(timeouts.get("pool"))
         conn: _Connection | None = None
         try:
             conn = self._idle_connection(origin) or await self._connect(origin, timeouts.get("connect"))
-            body = await request.aread()
             assert conn.transport is not None
-            conn.transport.write(_request_head(request, len(body)) + body)
+            conn.transport.write(message)
             while not conn.head_done:
                 if conn.error is not None:
                     raise conn.error
@@ -189,7 +210,7 @@ class Http1Transport(httpx.AsyncBaseTransport):
             if conn is not None:
                 conn.close()
             raise
-        if request.method == "HEAD" or conn.status in (204, 304):
+        if method == "HEAD" or conn.status in (204, 304):
             conn.complete = True
         return httpx.Response(
             conn.status,
@@ -253,16 +274,27 @@ class Http1Transport(httpx.AsyncBaseTransport):
         self.drop_idle()
 
 
-def _request_head(request: httpx.Request, body_length: int) -> bytes:
-    lines = [b"%s %s HTTP/1.1" % (request.method.encode(), request.url.raw_path)]
+def _request_head(method: str, target: bytes, headers: Iterable[tuple[bytes, bytes]], body_length: int) -> bytes:
+    lines = [b"%s %s HTTP/1.1" % (method.encode(), target)]
     has_length = False
-    for name, value in request.headers.raw:
+    for name, value in headers:
         lower = name.lower()
         if lower == b"transfer-encoding":
             continue  # the body is sent whole, with its length
         if lower == b"content-length":
             has_length = True
         lines.append(name + b": " + value)
-    if not has_length and (body_length or request.method in ("POST", "PUT", "PATCH")):
+    if not has_length and (body_length or method in ("POST", "PUT", "PATCH")):
         lines.append(b"Content-Length: %d" % body_length)
     return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+def request_message(
+    method: str, host: str, port: int, target: str, headers: Mapping[str, str], body: bytes | None
+) -> bytes:
+    """A whole HTTP/1.1 request (head and body) for `exchange`; the header names and values must
+    already be valid (they come from a parsed client request or from the gateway itself)."""
+    fields = [(b"host", f"{host}:{port}".encode("latin-1"))]
+    fields += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items() if k.lower() != "host"]
+    body = body or b""
+    return _request_head(method, target.encode("latin-1"), fields, len(body)) + body

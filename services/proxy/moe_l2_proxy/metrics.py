@@ -87,6 +87,16 @@ class GatewayMetrics:
         self.hints_dropped = Counter("moe_l2_hints_dropped", "Hints dropped because the queue was full", registry=r)
         self.in_flight = Gauge("moe_l2_requests_in_flight", "Requests being served", registry=r)
         self._domain_labels: set[str] = set()
+        self._children: dict[tuple[object, ...], Any] = {}
+
+    def labelled(self, metric: Any, *values: str) -> Any:
+        """`metric.labels(*values)`, looked up once: prometheus_client validates the labels on every
+        call, and a streamed request takes five of them. Every label here has few values."""
+        key = (id(metric), *values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child
 
     def domain_label(self, domain: str) -> str:
         if domain in self._domain_labels:
@@ -97,13 +107,13 @@ class GatewayMetrics:
         return domain
 
     def count_domain(self, domain: str, source: str) -> None:
-        self.domains.labels(self.domain_label(domain), source).inc()
+        self.labelled(self.domains, self.domain_label(domain), source).inc()
 
     def count_tokens(self, prompt: int, completion: int) -> None:
         if prompt:
-            self.tokens.labels("prompt").inc(prompt)
+            self.labelled(self.tokens, "prompt").inc(prompt)
         if completion:
-            self.tokens.labels("completion").inc(completion)
+            self.labelled(self.tokens, "completion").inc(completion)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -220,5 +230,5 @@ class RequestMetrics:
             self.metrics.in_flight.dec()
             if scope["state"].get("disconnected") or (not finished and status != "500"):
                 status = DISCONNECTED_STATUS
-            self.metrics.requests.labels(route, status).inc()
-            self.metrics.request_duration.labels(route).observe(time.perf_counter() - t0)
+            self.metrics.labelled(self.metrics.requests, route, status).inc()
+            self.metrics.labelled(self.metrics.request_duration, route).observe(time.perf_counter() - t0)

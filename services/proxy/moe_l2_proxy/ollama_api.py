@@ -145,7 +145,7 @@ async def ndjson(
                 continue
             if not translator.first_text_sent:
                 translator.first_text_sent = True
-                gw.metrics.ttft.labels(route).observe(time.perf_counter() - translator.t0)
+                gw.metrics.labelled(gw.metrics.ttft, route).observe(time.perf_counter() - translator.t0)
             yield out
     except httpx.HTTPError as exc:
         yield error_line(gw.llama.transport_error(exc).message)

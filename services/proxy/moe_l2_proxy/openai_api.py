@@ -18,7 +18,7 @@ from moe_l2_proxy.domain import Decision, header_domain
 from moe_l2_proxy.errors import GatewayError, gateway_error_response
 from moe_l2_proxy.gateway import ClientDisconnected, Gateway, gateway, parse_body, until_disconnect
 from moe_l2_proxy.metrics import request_started
-from moe_l2_proxy.streaming import RelayResponse, SseObserver, observed, relay_raw
+from moe_l2_proxy.streaming import RelayResponse, SseObserver, relay_raw
 from moe_l2_proxy.upstream import DOMAIN_HEADER, response_headers
 
 router = APIRouter()
@@ -52,8 +52,11 @@ async def completions(request: Request) -> Response:
 
 
 def target(request: Request) -> str:
-    query = request.url.query
-    return f"{request.url.path}?{query}" if query else request.url.path
+    """The request target as the client sent it (still percent-encoded), query included."""
+    scope = request.scope
+    path = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
+    query = scope.get("query_string", b"").decode("latin-1")
+    return f"{path}?{query}" if query else path
 
 
 def sse_error(gw: Gateway, exc: httpx.HTTPError) -> bytes:
@@ -83,7 +86,7 @@ async def generate(request: Request, gw: Gateway, body: bytes, decision: Decisio
         return Response(upstream.content, upstream.status_code, headers={**response_headers(upstream), **extra})
     route = request.url.path
     observer = SseObserver(gw.metrics, route, request_started(request.scope))
-    chunks = observed(relay_raw(upstream, lambda exc: sse_error(gw, exc)), observer)
+    chunks = relay_raw(upstream, lambda exc: sse_error(gw, exc), observer)
     return RelayResponse(
         chunks,
         upstream,

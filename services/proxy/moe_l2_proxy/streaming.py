@@ -12,11 +12,11 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-import anyio
 import httpx
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from moe_l2_proxy.gateway import DisconnectWatch
 from moe_l2_proxy.metrics import GatewayMetrics, mark_disconnected
 
 # An SSE line longer than this is relayed but not inspected for token counts (memory stays bounded).
@@ -42,43 +42,34 @@ class RelayResponse(Response):
         self.init_headers(headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # The relay runs in this task and a watcher cancels it when the client leaves: plain asyncio, not
+        # a task group, because this is paid once per streamed request and the loop once per token.
         completed = False
-        disconnected = False
-
-        async def relay(cancel: anyio.CancelScope) -> None:
-            nonlocal completed, disconnected
-            try:
+        left = False
+        try:
+            with DisconnectWatch(receive) as watch:
                 await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
                 async for chunk in self.body_iterator:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 completed = True
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
-            except OSError:  # servers on ASGI spec 2.4 report a gone client this way
-                disconnected = True
-            cancel.cancel()
-
-        async def watch_disconnect(cancel: anyio.CancelScope) -> None:
-            nonlocal disconnected
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            disconnected = not completed
-            cancel.cancel()
-
-        try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(relay, tg.cancel_scope)
-                tg.start_soon(watch_disconnect, tg.cancel_scope)
+            left = watch.left
+        except OSError:  # servers on ASGI spec 2.4 report a gone client this way
+            left = True
         finally:
-            # shielded: the close must happen even though the surrounding scope is being cancelled
-            with anyio.CancelScope(shield=True):
-                aclose: Callable[[], Awaitable[None]] | None = getattr(self.body_iterator, "aclose", None)
-                if aclose is not None:
-                    await aclose()
-                await self.upstream.aclose()
-            if disconnected:
+            await self._close()
+            if left and not completed:
                 mark_disconnected(scope)
             if self.on_close is not None:
                 self.on_close()
+
+    async def _close(self) -> None:
+        # Nothing in here waits on the network (the transport just hands the connection back or closes
+        # it), so it completes even when this task is being cancelled: llama's slot is always freed.
+        aclose: Callable[[], Awaitable[None]] | None = getattr(self.body_iterator, "aclose", None)
+        if aclose is not None:
+            await aclose()
+        await self.upstream.aclose()
 
 
 class SseObserver:
@@ -97,7 +88,11 @@ class SseObserver:
     def feed(self, chunk: bytes) -> None:
         if not self.first_token and (b'"content":"' in chunk or b'"text":"' in chunk):
             self.first_token = True
-            self.metrics.ttft.labels(self.route).observe(time.perf_counter() - self.t0)
+            self.metrics.labelled(self.metrics.ttft, self.route).observe(time.perf_counter() - self.t0)
+        if not self.carry and chunk.endswith(b"\n") and b'"usage"' not in chunk and b'"timings"' not in chunk:
+            # the common case, once per token: whole events and nothing to read, so only count them
+            self.content_events += chunk.count(b"\ndata: {") + chunk.startswith(b"data: {")
+            return
         data = self.carry + chunk if self.carry else chunk
         lines = data.split(b"\n")
         carry = lines.pop()
@@ -131,17 +126,21 @@ class SseObserver:
         self.metrics.count_tokens(self.prompt_tokens, completion)
 
 
-async def observed(chunks: AsyncIterator[bytes], observer: SseObserver) -> AsyncIterator[bytes]:
-    async for chunk in chunks:
-        observer.feed(chunk)
-        yield chunk
-
-
-async def relay_raw(upstream: httpx.Response, on_error: Callable[[httpx.HTTPError], bytes]) -> AsyncIterator[bytes]:
-    """llama's bytes as they arrive; a transport failure midway ends the stream with `on_error`'s bytes."""
+async def relay_raw(
+    upstream: httpx.Response, on_error: Callable[[httpx.HTTPError], bytes], observer: SseObserver | None = None
+) -> AsyncIterator[bytes]:
+    """llama's bytes as they arrive (seen by `observer` on the way); a transport failure midway ends
+    the stream with `on_error`'s bytes."""
+    # The response's own byte stream, not aiter_raw(): one generator between the socket and the
+    # client instead of three, on a path taken once per token. RelayResponse closes the response.
     try:
-        async for chunk in upstream.aiter_raw():
-            yield chunk
+        if observer is None:
+            async for chunk in upstream.stream:  # type: ignore[union-attr]
+                yield chunk
+        else:
+            async for chunk in upstream.stream:  # type: ignore[union-attr]
+                observer.feed(chunk)
+                yield chunk
     except httpx.HTTPError as exc:
         yield on_error(exc)
 

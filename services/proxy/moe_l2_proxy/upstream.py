@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from moe_l2_common.schemas.openai import ModelList
 from moe_l2_proxy.errors import GatewayError
-from moe_l2_proxy.http1_transport import Http1Transport
+from moe_l2_proxy.http1_transport import Http1Transport, request_message
 from moe_l2_proxy.metrics import GatewayMetrics
 from moe_l2_proxy.settings import ProxySettings
 
@@ -71,7 +71,11 @@ class LlamaUpstream:
             # the per-token relay path: httptools instead of httpcore/h11/anyio (see http1_transport)
             transport=self.transport,
         )
-        self._extensions = {"timeout": self.client.timeout.as_dict()}
+        self._timeouts = self.client.timeout.as_dict()
+        url = httpx.URL(self.url)
+        self._scheme = url.scheme
+        self._origin = (url.host, url.port or 80)
+        self._prefix = url.raw_path.decode("ascii").rstrip("/")
 
     def forward_headers(self, client_headers: Iterable[tuple[str, str]], domain: str | None) -> dict[str, str]:
         headers = {k: v for k, v in client_headers if k.lower() not in _REQUEST_DROP}
@@ -94,20 +98,36 @@ class LlamaUpstream:
         content: bytes | None = None,
         stream: bool = False,
     ) -> httpx.Response:
-        """One request to llama; with stream=True the caller must close the response."""
-        # built directly (not client.build_request, which re-parses and merges the base URL: ~150 µs)
-        request = httpx.Request(method, self.url + path, headers=headers, content=content, extensions=self._extensions)
+        """One request to llama; with stream=True the caller must close the response. `path` is the
+        request target (path and query), already percent-encoded."""
         try:
+            if self._scheme != "http":
+                raise httpx.UnsupportedProtocol(f"MOE_L2_LLAMA_URL must be http://, not {self._scheme}://")
+            # The message is built here, not as an httpx.Request through client.send: URL parsing, header
+            # normalisation and the client's auth, redirect and cookie layers are most of the gateway's
+            # own CPU per request, and have nothing to do for llama.
+            host, port = self._origin
+            message = request_message(method, host, port, self._prefix + path, headers, content)
             try:
-                return await self.client.send(request, stream=stream)
+                return await self._exchange(method, message, stream)
             except httpx.RemoteProtocolError:
                 # a pooled keep-alive connection closed by llama before it answered (a restart, or several
                 # idle connections closed at once under load): once more, on a fresh connection
                 self.metrics.upstream_errors.labels("llama", "retried").inc()
                 self.transport.drop_idle()
-                return await self.client.send(request, stream=stream)
+                return await self._exchange(method, message, stream)
         except httpx.HTTPError as exc:
             raise self.transport_error(exc) from exc
+
+    async def _exchange(self, method: str, message: bytes, stream: bool) -> httpx.Response:
+        response = await self.transport.exchange(self._origin, method, message, self._timeouts)
+        if not stream:
+            try:
+                await response.aread()
+            except BaseException:
+                await response.aclose()
+                raise
+        return response
 
     def transport_error(self, exc: httpx.HTTPError) -> GatewayError:
         kind, status, message = classify(exc)
