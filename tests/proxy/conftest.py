@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from moe_l2_common.demo_model import DemoModelSpec, make_demo_model
 from moe_l2_common.supervisor import ServiceSpec, Supervisor, free_port, http_ok
 from tests.conftest import LlamaServer
 from tests.proxy.support import (
@@ -72,8 +73,8 @@ def gateway_llamas(llama_binary, demo_model, tmp_path_factory) -> Iterator[Calla
     supervisor = Supervisor(tmp_path_factory.mktemp("gateway-llama-logs"))
     clients: list[httpx.Client] = []
 
-    def start(name: str, parallel: int, ctx_size: int) -> LlamaServer:
-        spec = llama_spec(llama_binary, demo_model, name, parallel=parallel, ctx_size=ctx_size)(free_port())
+    def start(name: str, parallel: int, ctx_size: int, model: Path | None = None) -> LlamaServer:
+        spec = llama_spec(llama_binary, model or demo_model, name, parallel=parallel, ctx_size=ctx_size)(free_port())
         running = supervisor.start(spec)
         client = httpx.Client(base_url=spec.url, timeout=120)
         clients.append(client)
@@ -89,6 +90,18 @@ def gateway_llamas(llama_binary, demo_model, tmp_path_factory) -> Iterator[Calla
 def llama32(gateway_llamas) -> LlamaServer:
     """32 slots of 1024 tokens: the concurrency test and the client tests."""
     return gateway_llamas("gw-llama-32", parallel=32, ctx_size=32 * 1024)
+
+
+@pytest.fixture(scope="session")
+def batching_llama32(gateway_llamas, tmp_path_factory) -> LlamaServer:
+    """32 slots on a wider demo model, whose decode step is mostly matrix work, as a real model's is.
+
+    On the default demo model a token costs llama about the same whatever the batch (sampling and
+    HTTP per slot outweigh its tiny matmuls), so 32 streams at once take ~0.7-0.9 x 32 single ones
+    even with nothing in the way; here batching pays, which is what lets a test see serialization."""
+    model = tmp_path_factory.mktemp("batching-model") / "wide.gguf"
+    make_demo_model(model, seed=0, spec=DemoModelSpec(n_embd=384, n_ff=128, n_head=6))
+    return gateway_llamas("gw-llama-32-wide", parallel=32, ctx_size=32 * 1024, model=model)
 
 
 @pytest.fixture(scope="session")
