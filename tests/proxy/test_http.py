@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import socket
+import time
+
 import ollama
 import openai
 import pytest
@@ -143,3 +146,17 @@ def _free() -> int:
     from moe_l2_common.supervisor import free_port
 
     return free_port()
+
+
+@pytest.mark.slow
+def test_idle_client_connection_outlives_the_clients_own_expiry(gateway):
+    # httpx and the OpenAI SDK drop idle pooled connections after 5 s. A server that closes at 5 s
+    # too races them: a request sent just as the gateway closes fails with a read error.
+    host, port = gateway.url.removeprefix("http://").split(":")
+    request = f"GET /healthz HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(request)
+        assert conn.recv(65536).startswith(b"HTTP/1.1 200")
+        time.sleep(6.0)
+        conn.sendall(request)
+        assert conn.recv(65536).startswith(b"HTTP/1.1 200")  # same connection, still served

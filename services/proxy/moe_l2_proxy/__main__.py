@@ -24,6 +24,7 @@ def main() -> None:
         # uvloop and httptools when installed (uvicorn[standard]): less per-request overhead
         loop="auto",
         http="auto",
+        timeout_keep_alive=settings.keep_alive_s,
         timeout_graceful_shutdown=10,
     )
 

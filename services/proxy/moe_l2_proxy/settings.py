@@ -52,6 +52,13 @@ class ProxySettings(BaseSettings):
 
     log_level: str = "info"
     access_log: bool = Field(default=False, description="uvicorn's access log (paths and statuses only)")
+    keep_alive_s: int = Field(
+        default=75,
+        ge=1,
+        description="how long an idle client connection is kept open; longer than clients' own pool expiry "
+        "(httpx and the OpenAI SDK: 5 s), so the client always closes first and never sends on a connection "
+        "the gateway is closing",
+    )
 
     @property
     def predictor_url_list(self) -> list[str]:
