@@ -9,14 +9,24 @@ batch, in a rotating order so machine noise hits all alike:
   keyword   the gateway, untagged requests: the domain comes from the in-process keyword tier
 Per request: end-to-end latency (to the last byte), time to first token; per batch: tokens/s.
 
-    python bench/gateway_overhead.py [--tokens 64] [--rounds 1:20,8:8,32:4] [--out bench/results/gateway_overhead.json]
+Two CPU layouts, the same processes re-pinned between them (with 2 or more CPUs):
+  shared    every process may run on every CPU: on a small CPU-only host the gateway's CPU time
+            is taken from llama-server, which is CPU-bound here
+  isolated  llama-server on CPU 0, the gateway and this client on the others: a GPU host, where
+            the engine does not compete with the gateway for CPU
+And the gateway's own cost, from its CPU time (/proc, not a stopwatch, so machine noise barely
+moves it): 1-token and N-token streams at concurrency 1 give CPU per request and per relayed token.
+
+    python bench/gateway_overhead.py [--tokens 64] [--rounds 1:60,8:12,32:12] [--layouts shared,isolated]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import platform
 import statistics
 import sys
@@ -28,11 +38,12 @@ from pathlib import Path
 import httpx
 
 from moe_l2_common.demo_model import make_demo_model
-from moe_l2_common.supervisor import ServiceSpec, Supervisor, free_port, http_ok
+from moe_l2_common.supervisor import RunningService, ServiceSpec, Supervisor, free_port, http_ok
 from moe_l2_llama.build import build
 from moe_l2_llama.settings import LlamaSettings, llama_server_command, llama_server_env
 
 TARGETS = ("direct", "gateway", "keyword")
+LAYOUTS = ("shared", "isolated")
 PROMPT = "write a python function that parses a csv file and sums a column"
 
 
@@ -43,10 +54,10 @@ class Sample:
     tokens: int
 
 
-def start_llama(supervisor: Supervisor, binary: Path, model: Path, threads: int) -> str:
+def start_llama(supervisor: Supervisor, binary: Path, model: Path, threads: int) -> RunningService:
     settings = LlamaSettings(llama_port=free_port(), parallel=32, ctx_size=32 * 1024, telemetry=True, threads=threads)
     url = f"http://127.0.0.1:{settings.llama_port}"
-    supervisor.start(
+    return supervisor.start(
         ServiceSpec(
             name="bench-llama",
             argv=llama_server_command(binary, model, settings),
@@ -55,10 +66,9 @@ def start_llama(supervisor: Supervisor, binary: Path, model: Path, threads: int)
             url=url,
         )
     )
-    return url
 
 
-def start_gateway(supervisor: Supervisor, llama_url: str) -> str:
+def start_gateway(supervisor: Supervisor, llama_url: str) -> RunningService:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {
@@ -68,7 +78,7 @@ def start_gateway(supervisor: Supervisor, llama_url: str) -> str:
         "MOE_L2_CACHE_URL": "",
         "MOE_L2_LOG_LEVEL": "warning",
     }
-    supervisor.start(
+    return supervisor.start(
         ServiceSpec(
             name="bench-gateway",
             argv=[sys.executable, "-m", "moe_l2_proxy"],
@@ -77,7 +87,29 @@ def start_gateway(supervisor: Supervisor, llama_url: str) -> str:
             url=url,
         )
     )
-    return url
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a whole process (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of `pid` (0: this process) onto `cpus`; threads started later inherit it."""
+    tasks = Path(f"/proc/{pid or os.getpid()}/task")
+    for tid in tasks.iterdir():
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(tid.name), cpus)
+
+
+def apply_layout(layout: str, llama_pid: int, gateway_pid: int) -> None:
+    every = set(range(os.cpu_count() or 1))
+    engine = {0} if layout == "isolated" else every
+    rest = every - {0} if layout == "isolated" else every
+    pin(llama_pid, engine)
+    pin(gateway_pid, rest)
+    pin(0, rest)
 
 
 async def one_request(client: httpx.AsyncClient, tokens: int, tagged: bool) -> Sample:
@@ -128,20 +160,53 @@ def summarize(samples: list[Sample], walls: list[float]) -> dict:
     }
 
 
-async def measure(urls: dict[str, str], rounds: dict[int, int], tokens: int) -> dict:
+async def gateway_cost(client: httpx.AsyncClient, gateway_pid: int, tokens: int, requests: int) -> dict:
+    """The gateway's CPU per request and per relayed token: 1-token and `tokens`-token streams at
+    concurrency 1, tagged (no prediction), fitted as fixed + per-token cost."""
+    cpu: dict[int, float] = {}
+    for n in (1, tokens, 1, tokens):  # twice each, alternating; the sums are what counts
+        before = cpu_seconds(gateway_pid)
+        for _ in range(requests // 2):
+            await one_request(client, n, tagged=True)
+        cpu[n] = cpu.get(n, 0.0) + cpu_seconds(gateway_pid) - before
+    per_token = (cpu[tokens] - cpu[1]) / (requests * (tokens - 1))
+    per_request = cpu[1] / requests - per_token
+    return {
+        "requests_each": requests,
+        "cpu_ms_per_1_token_stream": round(cpu[1] / requests * 1000, 3),
+        f"cpu_ms_per_{tokens}_token_stream": round(cpu[tokens] / requests * 1000, 3),
+        "cpu_ms_per_request": round(per_request * 1000, 3),
+        "cpu_us_per_token": round(per_token * 1e6, 1),
+    }
+
+
+async def measure(
+    urls: dict[str, str], rounds: dict[int, int], tokens: int, gateway_pid: int, cost_requests: int
+) -> dict:
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
     clients = {t: httpx.AsyncClient(base_url=urls[t], timeout=300, limits=limits) for t in TARGETS}
     results: dict[str, dict] = {}
     try:
         for target in TARGETS:  # warm-up: connections, caches, the keyword tier
             await batch(clients[target], 4, 8, target != "keyword")
+        results["gateway_cpu"] = await gateway_cost(clients["gateway"], gateway_pid, tokens, cost_requests)
+        cost = results["gateway_cpu"]
+        print(
+            f"  gateway CPU: {cost['cpu_ms_per_request']:.3f} ms per request"
+            f" + {cost['cpu_us_per_token']:.1f} µs per token",
+            flush=True,
+        )
         for concurrency, n_rounds in rounds.items():
             samples: dict[str, list[Sample]] = {t: [] for t in TARGETS}
             walls: dict[str, list[float]] = {t: [] for t in TARGETS}
             for r in range(n_rounds):
                 order = TARGETS[r % 3 :] + TARGETS[: r % 3]
                 for target in order:
-                    wall, got = await batch(clients[target], concurrency, tokens, target != "keyword")
+                    try:
+                        wall, got = await batch(clients[target], concurrency, tokens, target != "keyword")
+                    except httpx.HTTPError as exc:
+                        print(f"  {target} failed at concurrency {concurrency}, round {r}: {exc!r}", file=sys.stderr)
+                        raise
                     samples[target] += got
                     walls[target].append(wall)
             stats = {t: summarize(samples[t], walls[t]) for t in TARGETS}
@@ -150,7 +215,11 @@ async def measure(urls: dict[str, str], rounds: dict[int, int], tokens: int) -> 
                 stats[t]["added_latency_p50_ms"] = round(stats[t]["latency_p50_ms"] - direct["latency_p50_ms"], 3)
                 stats[t]["added_latency_p99_ms"] = round(stats[t]["latency_p99_ms"] - direct["latency_p99_ms"], 3)
                 stats[t]["added_ttft_p50_ms"] = round(stats[t]["ttft_p50_ms"] - direct["ttft_p50_ms"], 3)
-                stats[t]["throughput_ratio"] = round(stats[t]["tokens_per_s"] / direct["tokens_per_s"], 4)
+                # the median of per-round ratios: a round's batches ran back to back, so a slow spell of
+                # the machine hits both sides of a pair; the pooled ratio lets one slow batch decide
+                paired = [d / w for d, w in zip(walls["direct"], walls[t], strict=True)]
+                stats[t]["throughput_ratio"] = round(statistics.median(paired), 4)
+                stats[t]["throughput_ratio_pooled"] = round(stats[t]["tokens_per_s"] / direct["tokens_per_s"], 4)
             results[str(concurrency)] = stats
             print_level(concurrency, stats)
     finally:
@@ -160,12 +229,12 @@ async def measure(urls: dict[str, str], rounds: dict[int, int], tokens: int) -> 
 
 
 def print_level(concurrency: int, stats: dict) -> None:
-    print(f"\nconcurrency {concurrency}")
-    print(f"  {'target':<8} {'p50 ms':>9} {'p99 ms':>9} {'ttft p50':>9} {'tok/s':>8} {'+p50 ms':>8} {'ratio':>6}")
+    print(f"  concurrency {concurrency}")
+    print(f"    {'target':<8} {'p50 ms':>9} {'p99 ms':>9} {'ttft p50':>9} {'tok/s':>8} {'+p50 ms':>8} {'ratio':>6}")
     for target, s in stats.items():
         added, ratio = s.get("added_latency_p50_ms", 0.0), s.get("throughput_ratio", 1.0)
         print(
-            f"  {target:<8} {s['latency_p50_ms']:>9.2f} {s['latency_p99_ms']:>9.2f} {s['ttft_p50_ms']:>9.2f} "
+            f"    {target:<8} {s['latency_p50_ms']:>9.2f} {s['latency_p99_ms']:>9.2f} {s['ttft_p50_ms']:>9.2f} "
             f"{s['tokens_per_s']:>8.0f} {added:>8.2f} {ratio:>6.3f}",
             flush=True,
         )
@@ -176,14 +245,41 @@ def parse_rounds(text: str) -> dict[int, int]:
     return {int(c): int(r) for c, r in pairs}
 
 
+async def run_layouts(
+    layouts: list[str], urls: dict[str, str], pids: dict[str, int], rounds: dict[int, int], args: argparse.Namespace
+) -> dict:
+    results = {}
+    for layout in layouts:
+        apply_layout(layout, pids["llama"], pids["gateway"])
+        print(f"\n{layout}: {LAYOUT_TEXT[layout]}", flush=True)
+        results[layout] = await measure(urls, rounds, args.tokens, pids["gateway"], args.cost_requests)
+    apply_layout("shared", pids["llama"], pids["gateway"])
+    return results
+
+
+LAYOUT_TEXT = {
+    "shared": "every process on every CPU",
+    "isolated": "llama-server on CPU 0; the gateway and the client on the others",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=64, help="tokens generated per request")
-    parser.add_argument("--rounds", default="1:20,8:8,32:4", help="concurrency:rounds, comma-separated")
+    parser.add_argument("--rounds", default="1:60,8:12,32:12", help="concurrency:rounds, comma-separated")
     parser.add_argument("--threads", type=int, default=1, help="llama-server CPU threads")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="CPU layouts to measure, comma-separated")
+    parser.add_argument("--cost-requests", type=int, default=100, help="streams of each length for the CPU cost")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "gateway_overhead.json")
     args = parser.parse_args(argv)
     rounds = parse_rounds(args.rounds)
+    layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]
+    unknown = [name for name in layouts if name not in LAYOUTS]
+    if unknown:
+        parser.error(f"unknown layout {unknown[0]!r}; choose from {', '.join(LAYOUTS)}")
+    if "isolated" in layouts and _cpus() < 2:
+        print("one CPU: the isolated layout needs two, measuring the shared layout only", file=sys.stderr)
+        layouts = [name for name in layouts if name != "isolated"]
 
     binary = build()
     with tempfile.TemporaryDirectory() as tmp:
@@ -192,14 +288,18 @@ def main(argv: list[str] | None = None) -> int:
         supervisor = Supervisor(Path(tmp) / "logs")
         try:
             llama = start_llama(supervisor, binary, model, args.threads)
-            gateway = start_gateway(supervisor, llama)
-            urls = {"direct": llama, "gateway": gateway, "keyword": gateway}
-            results = asyncio.run(measure(urls, rounds, args.tokens))
+            gateway = start_gateway(supervisor, llama.spec.url)
+            urls = {"direct": llama.spec.url, "gateway": gateway.spec.url, "keyword": gateway.spec.url}
+            pids = {"llama": llama.proc.pid, "gateway": gateway.proc.pid}
+            try:
+                results = asyncio.run(run_layouts(layouts, urls, pids, rounds, args))
+            except httpx.HTTPError:
+                for service in (llama, gateway):  # the logs go with the temporary folder
+                    print(f"--- last lines of {service.spec.name}'s log", *service.tail(30), sep="\n", file=sys.stderr)
+                raise
         finally:
             supervisor.stop()
 
-    gw32 = results.get("32", {}).get("gateway", {})
-    gw1 = results.get("1", {}).get("gateway", {})
     report = {
         "benchmark": "gateway_overhead",
         "workload": {
@@ -207,14 +307,12 @@ def main(argv: list[str] | None = None) -> int:
             "stream": True,
             "tokens_per_request": args.tokens,
             "rounds": rounds,
+            "layouts": {name: LAYOUT_TEXT[name] for name in layouts},
             "llama": {"parallel": 32, "ctx_size": 32 * 1024, "threads": args.threads, "model": "demo (seed 0)"},
         },
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": _cpus()},
         "targets": {"added_latency_p50_ms_max": 1.0, "throughput_ratio_at_32_min": 0.97},
-        "summary": {
-            "added_latency_p50_ms_at_1": gw1.get("added_latency_p50_ms"),
-            "throughput_ratio_at_32": gw32.get("throughput_ratio"),
-        },
+        "summary": {layout: summary(results[layout]) for layout in layouts},
         "results": results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -223,9 +321,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _cpus() -> int:
-    import os
+def summary(results: dict) -> dict:
+    gw1 = results.get("1", {}).get("gateway", {})
+    gw32 = results.get("32", {}).get("gateway", {})
+    return {
+        "added_latency_p50_ms_at_1": gw1.get("added_latency_p50_ms"),
+        "throughput_ratio_at_32": gw32.get("throughput_ratio"),
+        "gateway_cpu_ms_per_request": results["gateway_cpu"]["cpu_ms_per_request"],
+        "gateway_cpu_us_per_token": results["gateway_cpu"]["cpu_us_per_token"],
+    }
 
+
+def _cpus() -> int:
     return os.cpu_count() or 0
 
 
