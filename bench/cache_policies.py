@@ -8,8 +8,9 @@ Sources (each optional but ESFT; a missing one is reported and skipped):
   (bench/capture_demo_traces.py; captured now if the file is missing and the server can be built).
 
 Method: for every domain, a seeded random half of its sequences is the profile split (static
-tables, domain priors, cross-layer transitions and the knobs of LFRU and the hybrid are fitted
-there; the knobs on an inner split of it) and the other half is the test split. The test
+tables, domain priors, cross-layer transitions, global and per domain, and the knobs of LFRU, the
+hybrid, its admission margin and the threshold prefetch's lift are fitted there; the knobs on an
+inner split of it) and the other half is the test split. The test
 requests of all domains are replayed in one seeded shuffled order, token by token, through each
 policy at capacities 8/16/24/32 experts per layer (for 64 experts; proportional otherwise).
 Domain-aware policies are also run with a noisy domain label (right 90% and 75% of the time).
@@ -39,6 +40,7 @@ import numpy as np
 from moe_l2_cache.policy import DEFAULT_POLICY, ExpertCachePolicy, RoutingProfile, fit_profile, make_policy
 from moe_l2_cache.policy import hybrid as hybrid_module
 from moe_l2_cache.policy import online as online_module
+from moe_l2_cache.policy import prefetch as prefetch_module
 from moe_l2_cache.policy.prefetch import CrossLayerPrefetch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,11 +56,13 @@ POLICIES = (
     "static_global",
     "static_domain",
     "hybrid",
+    "hybrid_admit",
     "xlayer_prefetch",
     "hybrid_prefetch",
+    "hybrid_threshold_prefetch",
     "belady",
 )
-DOMAIN_AWARE = ("static_domain", "hybrid", "hybrid_prefetch")
+DOMAIN_AWARE = ("static_domain", "hybrid", "hybrid_admit", "hybrid_prefetch", "hybrid_threshold_prefetch")
 LABEL_ACCURACIES = (0.9, 0.75, 0.0)  # 0.0: no label at all (the policy is told None: global prior)
 SEED = 0
 
@@ -70,6 +74,14 @@ HYBRID_GRID = [
     for w in (0.0, 1.0, 2.0, 4.0)
     for f in (0.0, 1.0)
 ]
+# Searched second, over the hybrid knobs chosen first: the admission margin of `hybrid_admit` (in
+# activations; negative favours the newcomer) and the threshold prefetch's minimum lift (P(b at l+1)
+# over chance, k of n experts), which must move no more bytes than LRU on the inner split (the highest
+# hit rate among the values that do).
+ADMIT_MARGINS = (-1.0, -0.5, 0.0, 0.5)
+PREFETCH_LIFTS = (2.0, 2.2, 2.4, 2.6, 2.8, 3.0, 3.2, 3.4, 3.6, 3.8, 4.0, 4.4, 4.8, 5.4)
+# Reported on the test split at the middle capacity (the chosen lift is added).
+LIFT_SWEEP = (2.0, 2.6, 3.2, 3.8, 4.4, 5.4)
 
 
 def routing_data_dir() -> Path:
@@ -274,7 +286,9 @@ def replay(policy: ExpertCachePolicy, stream: Stream, labels: np.ndarray, domain
     if isinstance(policy, CrossLayerPrefetch):
         s = policy.stats
         out["prefetch"] = {
-            "n_predict": policy.n_predict or stream.experts.shape[2],
+            # at most this many per layer; null: no cap, the lift threshold alone decides
+            "n_predict": policy.n_predict or (None if policy.min_lift > 0 else stream.experts.shape[2]),
+            "min_lift": policy.min_lift,
             "precision": s.precision,
             "recall": s.recall,
             "loads_per_token": s.loads / stream.n_tokens,
@@ -289,7 +303,9 @@ class Job:
     policy: str
     capacity: int
     accuracy: float = 1.0
-    split: str = "test"  # test | inner (knob search) | swapped (roles of the two halves exchanged)
+    # test | inner (knob search) | swapped (roles of the two halves exchanged); sweep and ablation are
+    # test-split runs reported in their own tables
+    split: str = "test"
     knobs: tuple[tuple[str, Any], ...] = ()
 
 
@@ -300,8 +316,9 @@ _CONTEXT: dict[str, dict[str, Any]] = {}
 def run_job(job: Job) -> tuple[Job, dict[str, Any]]:
     ctx = _CONTEXT[job.source]
     trace: Trace = ctx["trace"]
-    stream: Stream = ctx["streams"][job.split]
-    profile: RoutingProfile = ctx["profiles"][job.split]
+    split = "test" if job.split in ("sweep", "ablation") else job.split
+    stream: Stream = ctx["streams"][split]
+    profile: RoutingProfile = ctx["profiles"][split]
     kwargs = {**profile.as_kwargs(), **ctx["knobs"], **dict(job.knobs)}
     if job.policy == "belady":
         kwargs["future"] = stream.experts
@@ -364,33 +381,67 @@ def _subset(trace: Trace, seqs: Sequence[int]) -> Trace:
 
 
 def search_knobs(sources: Sequence[str], fallback: dict[str, Any], n_jobs: int) -> dict[str, dict[str, Any]]:
-    """Per source, the LFRU half-life and hybrid knobs with the best inner-split hit rate."""
+    """Per source, the knobs with the best inner-split hit rate: first LFRU's half-life and the hybrid's
+    knobs, then, over that hybrid, the admission margin and the prefetch's minimum lift (within LRU's bytes)."""
+    searched = [s for s in sources if _CONTEXT[s]["inner_ok"]]
+    mid = {s: capacities(_CONTEXT[s]["trace"].n_expert)[1] for s in searched}
     jobs: list[Job] = []
-    for src in sources:
-        if not _CONTEXT[src]["inner_ok"]:
-            continue
-        cap = capacities(_CONTEXT[src]["trace"].n_expert)[1]
-        jobs += [Job(src, "lfru", cap, split="inner", knobs=(("half_life", h),)) for h in LFRU_HALF_LIVES]
-        jobs += [Job(src, "hybrid", cap, split="inner", knobs=tuple(g.items())) for g in HYBRID_GRID]
+    for src in searched:
+        jobs.append(Job(src, "lru", mid[src], split="inner"))
+        jobs += [Job(src, "lfru", mid[src], split="inner", knobs=(("half_life", h),)) for h in LFRU_HALF_LIVES]
+        jobs += [Job(src, "hybrid", mid[src], split="inner", knobs=tuple(g.items())) for g in HYBRID_GRID]
     results = run_jobs(jobs, n_jobs)
+    best_hybrid: dict[str, dict[str, Any]] = {}
+    for src in searched:
+        mine = [(j, r) for j, r in results if j.source == src and j.policy == "hybrid"]
+        best_hybrid[src] = dict(max(mine, key=lambda jr: jr[1]["hit_rate"])[0].knobs)
+    second: list[Job] = []
+    for src in searched:
+        base = tuple(best_hybrid[src].items())
+        second += [
+            Job(src, "hybrid_admit", mid[src], split="inner", knobs=(*base, ("admit_margin", m))) for m in ADMIT_MARGINS
+        ]
+        second += [
+            Job(src, "hybrid_threshold_prefetch", mid[src], split="inner", knobs=(*base, ("min_lift", t)))
+            for t in PREFETCH_LIFTS
+        ]
+    results += run_jobs(second, n_jobs)
     chosen: dict[str, dict[str, Any]] = {}
     for src in sources:
         mine = [(j, r) for j, r in results if j.source == src]
         if not mine:
             chosen[src] = {**fallback, "searched": False}
             continue
-        best_lfru = max(((r["hit_rate"], dict(j.knobs)) for j, r in mine if j.policy == "lfru"), key=lambda x: x[0])
-        best_hybrid = max(
-            ((r["hit_rate"], dict(j.knobs)) for j, r in mine if j.policy == "hybrid"),
-            key=lambda x: x[0],
+
+        def of(policy: str, mine: list = mine) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+            return [(dict(j.knobs), r) for j, r in mine if j.policy == policy]
+
+        lru_moved = of("lru")[0][1]["loads_per_token"]
+        best_lfru = max(of("lfru"), key=lambda kr: kr[1]["hit_rate"])[0]
+        best_admit = max(of("hybrid_admit"), key=lambda kr: kr[1]["hit_rate"])[0]
+        thresholds = of("hybrid_threshold_prefetch")
+        within = [kr for kr in thresholds if kr[1]["loads_per_token"] <= lru_moved]
+        # No lift within LRU's bytes: the one that moves the fewest.
+        best_threshold = (
+            max(within, key=lambda kr: kr[1]["hit_rate"])[0]
+            if within
+            else min(thresholds, key=lambda kr: kr[1]["loads_per_token"])[0]
         )
         chosen[src] = {
-            "lfru_half_life": best_lfru[1]["half_life"],
-            "hybrid": best_hybrid[1],
+            "lfru_half_life": best_lfru["half_life"],
+            "hybrid": best_hybrid[src],
+            "hybrid_admit_margin": best_admit["admit_margin"],
+            "prefetch_min_lift": best_threshold["min_lift"],
             "searched": True,
+            "inner_lru": {"hit_rate": of("lru")[0][1]["hit_rate"], "loads_per_token": lru_moved},
             "inner_hit_rates": {
-                "lfru": {str(dict(j.knobs)["half_life"]): r["hit_rate"] for j, r in mine if j.policy == "lfru"},
-                "hybrid": [{**dict(j.knobs), "hit_rate": r["hit_rate"]} for j, r in mine if j.policy == "hybrid"],
+                "lfru": {str(k["half_life"]): r["hit_rate"] for k, r in of("lfru")},
+                "hybrid": [{**k, "hit_rate": r["hit_rate"]} for k, r in of("hybrid")],
+                "hybrid_admit": {str(k["admit_margin"]): r["hit_rate"] for k, r in of("hybrid_admit")},
+                "hybrid_threshold_prefetch": {
+                    str(k["min_lift"]): {"hit_rate": r["hit_rate"], "loads_per_token": r["loads_per_token"]}
+                    for k, r in thresholds
+                },
             },
         }
     return chosen
@@ -402,6 +453,8 @@ def registry_knobs() -> dict[str, Any]:
     return {
         "lfru_half_life": online_module.HALF_LIFE,
         "hybrid": {"half_life": h.HALF_LIFE, "prior_weight": h.PRIOR_WEIGHT, "fill_weight": h.FILL_WEIGHT},
+        "hybrid_admit_margin": h.ADMIT_MARGIN,
+        "prefetch_min_lift": prefetch_module.MIN_LIFT,
     }
 
 
@@ -410,6 +463,10 @@ def knobs_for(policy: str, chosen: dict[str, Any]) -> tuple[tuple[str, Any], ...
         return (("half_life", chosen["lfru_half_life"]),)
     if policy in ("hybrid", "hybrid_prefetch"):
         return tuple(chosen["hybrid"].items())
+    if policy == "hybrid_admit":
+        return (*chosen["hybrid"].items(), ("admit_margin", chosen["hybrid_admit_margin"]))
+    if policy == "hybrid_threshold_prefetch":
+        return (*chosen["hybrid"].items(), ("min_lift", chosen["prefetch_min_lift"]))
     return ()
 
 
@@ -438,6 +495,12 @@ def study(sources: Sequence[str], n_jobs: int, quick: bool) -> dict[str, Any]:
         for n in sorted({max(1, k // 3), max(1, 2 * k // 3)} - {k}):
             jobs.append(Job(src, "xlayer_prefetch", mid, knobs=(("n_predict", n),)))
         jobs.append(Job(src, "belady", mid, knobs=(("bypass", False),)))
+        base = tuple(chosen[src]["hybrid"].items())
+        for t in sorted(set(LIFT_SWEEP) - {chosen[src]["prefetch_min_lift"]}):
+            jobs.append(Job(src, "hybrid_threshold_prefetch", mid, split="sweep", knobs=(*base, ("min_lift", t))))
+        # Ablation: the chosen lift with the global transition table only (no per-domain tables).
+        knobs = (*knobs_for("hybrid_threshold_prefetch", chosen[src]), ("domain_transitions", None))
+        jobs.append(Job(src, "hybrid_threshold_prefetch", mid, split="ablation", knobs=knobs))
         if src == "esft":
             for pol in ("lru", "lfru", "static_domain", "hybrid", "xlayer_prefetch", "belady"):
                 jobs.append(Job(src, pol, mid, split="swapped", knobs=knobs_for(pol, chosen[src])))
@@ -467,6 +530,8 @@ def report(out: dict[str, Any], sources: Sequence[str], knobs: dict[str, Any], r
             "noisy_domain": defaultdict(lambda: defaultdict(dict)),
             "prefetch_sweep": {},
             "belady_without_bypass": {},
+            "threshold_sweep": {},
+            "threshold_global_table": {},
             "swapped_split": {},
         }
         for job, r in results:
@@ -478,6 +543,10 @@ def report(out: dict[str, Any], sources: Sequence[str], knobs: dict[str, Any], r
             knob = dict(job.knobs)
             if job.split == "swapped":
                 entry["swapped_split"][job.policy] = {"capacity": job.capacity, **r}
+            elif job.split == "sweep":
+                entry["threshold_sweep"][str(knob["min_lift"])] = {"capacity": job.capacity, **r}
+            elif job.split == "ablation":
+                entry["threshold_global_table"] = {"capacity": job.capacity, "min_lift": knob["min_lift"], **r}
             elif job.accuracy < 1.0:
                 label = "none" if job.accuracy == 0.0 else str(job.accuracy)
                 entry["noisy_domain"][job.policy][label][str(job.capacity)] = r
@@ -561,6 +630,7 @@ def markdown_tables(out: dict[str, Any]) -> str:
                 f"{pf['extra_loads_per_token'] * mb:,.0f} | {r['loads_per_token']:.1f} |"
             )
         lines.append("")
+        lines += threshold_table(entry, mid, mb, unit)
         if entry["swapped_split"]:
             sw = entry["swapped_split"]
             lines += [f"Roles of the two halves swapped, C = {mid}: "]
@@ -570,6 +640,44 @@ def markdown_tables(out: dict[str, Any]) -> str:
             b = entry["belady_without_bypass"]
             lines += [f"Belady without bypass (every miss kept) at C = {mid}: {100 * b['hit_rate']:.1f}.", ""]
     return "\n".join(lines)
+
+
+def threshold_table(entry: dict[str, Any], mid: str, mb: float, unit: str) -> list[str]:
+    """Threshold prefetch over the hybrid at the middle capacity, per minimum lift, next to LRU's bytes."""
+    main_run = entry["policies"].get("hybrid_threshold_prefetch", {}).get(mid)
+    if main_run is None:
+        return []
+    chosen = float(entry["knobs"]["prefetch_min_lift"])
+    chance = entry["model"]["top_k"] / entry["model"]["n_expert"]
+    sweep: dict[float, dict[str, Any]] = {float(k): v for k, v in entry["threshold_sweep"].items()}
+    sweep[chosen] = main_run
+    lru = entry["policies"]["lru"][mid]
+    lines = [
+        f"Threshold prefetch over the hybrid at C = {mid}: a prediction is loaded if P(b at l+1) > lift x chance "
+        f"({entry['model']['top_k']}/{entry['model']['n_expert']}); lift chosen on the inner split: {chosen}.",
+        "",
+    ]
+    head = "min lift (P >) | hit rate % | Δ vs LRU | moved/token | moved vs LRU | prefetch loads/token"
+    lines.append(f"| {head} | unused loads/token | loads used % | extra {unit}/token |")
+    lines.append("|---" * 9 + "|")
+    rows: list[tuple[str, dict[str, Any]]] = []
+    for k, r in sorted(sweep.items()):
+        label = f"{k} ({k * chance:.2f})"
+        rows.append((f"**{label}**" if k == chosen else label, r))
+    if entry["threshold_global_table"]:
+        g = entry["threshold_global_table"]
+        rows.append((f"{g['min_lift']} ({g['min_lift'] * chance:.2f}), global table only", g))
+    for label, r in rows:
+        pf = r["prefetch"]
+        used = 1 - pf["extra_loads_per_token"] / pf["loads_per_token"] if pf["loads_per_token"] else 0.0
+        lines.append(
+            f"| {label} | {100 * r['hit_rate']:.1f} | {100 * (r['hit_rate'] - lru['hit_rate']):+.1f} | "
+            f"{r['loads_per_token']:.1f} | {r['loads_per_token'] / lru['loads_per_token']:.2f}x | "
+            f"{pf['loads_per_token']:.1f} | {pf['extra_loads_per_token']:.1f} | {100 * used:.0f} | "
+            f"{pf['extra_loads_per_token'] * mb:,.0f} |"
+        )
+    lines.append("")
+    return lines
 
 
 def plot(out: dict[str, Any], path: Path) -> None:
@@ -640,7 +748,10 @@ def main(argv: list[str] | None = None) -> int:
         "method": {
             "split": "per domain, a seeded random half of the sequences (seed 0) is the profile split; the other "
             "half is measured. Knobs (LFRU half-life; hybrid half-life, prior and fill weights) are chosen on an "
-            "inner split of the profile split at the middle capacity.",
+            "inner split of the profile split at the middle capacity; then, over that hybrid, the admission margin "
+            "(best hit rate) and the prefetch's minimum lift over chance (best hit rate among those moving no more "
+            "experts per token "
+            "than LRU on the inner split).",
             "order": "test requests of all domains replayed in one seeded shuffled order, token by token",
             "hit": "an activated expert that was resident when its layer ran; prefetched experts count as resident",
             "loads": "experts copied into the cache per token: every miss, plus prefetches and prior fills",

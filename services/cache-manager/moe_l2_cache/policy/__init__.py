@@ -8,6 +8,9 @@ study that chose the default is docs/cache-policy-study.md (bench/cache_policies
     hits = policy.access(layer, [3, 17, 41])    # one token's experts at one layer
     policy.resident(layer)                      # what to keep (pin / cache) at that layer
     update_priors(policy, profile_from_counts(counts, n_layer, n_expert))  # flywheel tables
+
+The default prefetches across layers only with transition tables (`fit_profile` on per-token traces);
+without them, as in the cache-manager's host pool, it is the `hybrid` demand policy.
 """
 
 from __future__ import annotations

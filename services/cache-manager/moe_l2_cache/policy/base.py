@@ -153,13 +153,18 @@ class DemandPolicy(TablePolicy):
         """Brings `ex` in (they outrank everything) and keeps the top-capacity of the rest.
 
         Misses were counted as loads in _step already; this only moves the table."""
-        table = self._resident[rows]
-        table[np.arange(len(rows))[:, None], ex] = True
+        incoming = np.zeros((len(rows), self.n_expert), dtype=bool)
+        incoming[np.arange(len(rows))[:, None], ex] = True
+        self._insert(rows, incoming)
+
+    def _insert(self, rows: IntArray, incoming: BoolArray) -> None:
+        """Brings the experts of `incoming` ([len(rows), n_expert]) in, outranking everything, and
+        keeps the top-capacity of the rest (prefetches use it with a different count per row)."""
+        table = self._resident[rows] | incoming
         over = np.flatnonzero(table.sum(axis=1) > self.capacity)
         if len(over):
             # Only layers over capacity need an eviction decision (most accesses are all hits).
-            priority = self._priority(rows[over]).copy()
-            priority[np.arange(len(over))[:, None], ex[over]] = np.inf
+            priority = np.where(incoming[over], np.inf, self._priority(rows[over]))
             table[over] = top_c_mask(priority, self.capacity, table[over])
         self._resident[rows] = table
 

@@ -12,6 +12,9 @@ benchmark):
 - `prior_weight`: a standing bias of the current domain's prior in every eviction decision.
 
 A request of an unknown domain (or none) gets no prior: the policy is then plain LFRU.
+
+With `admission` (LFRU's option), a missed expert is computed from a streamed copy but kept only if
+its score, prior included, beats that of the expert it would displace (`hybrid_admit`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ from moe_l2_cache.policy.online import LFRU
 HALF_LIFE = 8.0
 PRIOR_WEIGHT = 2.0
 FILL_WEIGHT = 0.0
+# For `hybrid_admit` (the hybrid with admission), chosen on the same inner split. On ESFT every margin
+# measured below admitting every miss (docs/cache-policy-study.md), so plain `hybrid` admits every miss.
+ADMIT_MARGIN = -1.0
 
 
 class DomainPriorHybrid(LFRU):
@@ -44,6 +50,8 @@ class DomainPriorHybrid(LFRU):
         prior_weight: float = PRIOR_WEIGHT,
         fill_weight: float = FILL_WEIGHT,
         top_k: int | None = None,
+        admission: bool = False,
+        admit_margin: float = 0.0,
     ) -> None:
         self.n_layer, self.n_expert = n_layer, n_expert
         self.set_priors(global_freq, domain_freq)
@@ -52,7 +60,8 @@ class DomainPriorHybrid(LFRU):
         self.prior_weight = float(prior_weight)
         self.fill_weight = float(fill_weight)
         self._top_k = top_k  # activations per token and layer; learned from the first access if unset
-        super().__init__(n_layer, n_expert, capacity, half_life)
+        self.name = "hybrid_admit" if admission else "hybrid"
+        super().__init__(n_layer, n_expert, capacity, half_life, admission=admission, admit_margin=admit_margin)
 
     def set_priors(self, global_freq: FloatArray | None, domain_freq: Mapping[str, FloatArray] | None) -> None:
         """Replaces the prior tables (the flywheel relearns them as traffic changes); without any the
@@ -104,4 +113,7 @@ class DomainPriorHybrid(LFRU):
     def _priority(self, rows: IntArray) -> FloatArray:
         if self.prior_weight == 0:
             return self._score[rows]
+        return self._value(rows)
+
+    def _value(self, rows: IntArray) -> FloatArray:
         return self._decayed(rows) + self.prior_weight * self._steady(self._freq[rows])

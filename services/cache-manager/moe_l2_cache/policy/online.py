@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moe_l2_cache.policy.base import DemandPolicy, FloatArray, IntArray, PolicyError
+from moe_l2_cache.policy.base import DemandPolicy, FloatArray, IntArray, PolicyError, top_c_mask
 
 # LFU breaks ties between equal counts by recency; counts are scaled so that no clock value can
 # outweigh one access (exact in float64 while counts and clocks stay below 2**21 and 2**32).
@@ -60,10 +60,21 @@ class LFRU(DemandPolicy):
     # a layer is comparing decayed ones. A layer is renormalised before the factor can overflow.
     _RENORM_EXPONENT = 512.0
 
-    def __init__(self, n_layer: int, n_expert: int, capacity: int, half_life: float = HALF_LIFE) -> None:
+    def __init__(
+        self,
+        n_layer: int,
+        n_expert: int,
+        capacity: int,
+        half_life: float = HALF_LIFE,
+        *,
+        admission: bool = False,
+        admit_margin: float = 0.0,
+    ) -> None:
         if not half_life > 0:
             raise PolicyError(f"half_life must be > 0 (got {half_life})")
         self.half_life = float(half_life)
+        self.admission = bool(admission)
+        self.admit_margin = float(admit_margin)
         super().__init__(n_layer, n_expert, capacity)
 
     def reset(self) -> None:
@@ -95,6 +106,31 @@ class LFRU(DemandPolicy):
 
     def _priority(self, rows: IntArray) -> FloatArray:
         return self._score[rows]
+
+    def _value(self, rows: IntArray) -> FloatArray:
+        """The priority in activations as of now (what admission compares, margin included)."""
+        return self._decayed(rows)
+
+    def _update(self, rows: IntArray, ex: IntArray) -> None:
+        self._on_use(rows, ex)
+        if self.admission:
+            self._admit_if_better(rows, ex)
+        else:
+            self._admit(rows, ex)
+
+    def _admit_if_better(self, rows: IntArray, ex: IntArray) -> None:
+        """TinyLFU-style admission: a missed expert was streamed in to be computed (a load, counted in
+        _step), but it is kept only if its value beats, by `admit_margin`, that of the resident it
+        would displace. Scores of non-resident experts live on (decaying), so frequency survives
+        eviction: this is the ghost history an expert needs to earn its way in."""
+        table = self._resident[rows]
+        incumbent = table.copy()
+        table[np.arange(len(rows))[:, None], ex] = True
+        over = np.flatnonzero(table.sum(axis=1) > self.capacity)
+        if len(over):
+            value = self._value(rows[over]) + self.admit_margin * incumbent[over]
+            table[over] = top_c_mask(value, self.capacity, table[over])
+        self._resident[rows] = table
 
     def boost(self, rows: IntArray, weights: FloatArray) -> None:
         """Adds `weights` (in activations as of now) to the scores of `rows` (used by the domain-prior hybrid)."""

@@ -26,12 +26,14 @@ class RoutingProfile:
     transitions: [n_layer - 1, n_expert, n_expert], P(expert b at layer l+1 | expert a at layer l)
         for the same token, or None when only counts were available.
     top_k: experts activated per token and layer.
+    domain_transitions: domain -> the transitions of that domain's tokens only (empty without traces).
     """
 
     global_freq: FloatArray
     domain_freq: Mapping[str, FloatArray] = field(default_factory=dict)
     transitions: FloatArray | None = None
     top_k: int | None = None
+    domain_transitions: Mapping[str, FloatArray] = field(default_factory=dict)
 
     @property
     def n_layer(self) -> int:
@@ -47,6 +49,7 @@ class RoutingProfile:
             "domain_freq": dict(self.domain_freq),
             "transitions": self.transitions,
             "top_k": self.top_k,
+            "domain_transitions": dict(self.domain_transitions),
         }
 
 
@@ -93,11 +96,19 @@ def fit_profile(
         raise PolicyError(f"need one domain per token ({ex.shape[0]}), got {labels.shape}")
     domain_freq = {str(d): _normalise_rows(expert_counts(ex[labels == d], n_expert)) for d in np.unique(labels)}
     transitions = None
+    domain_transitions: dict[str, FloatArray] = {}
     if with_transitions:
-        # Each activation of a at layer l co-occurs with k experts at l+1: rows sum to k, so an
-        # entry is the probability that b follows a.
-        transitions = _normalise_rows(transition_counts(ex, n_expert)) * ex.shape[2]
-    return RoutingProfile(_normalise_rows(expert_counts(ex, n_expert)), domain_freq, transitions, int(ex.shape[2]))
+        transitions = _transitions(ex, n_expert)
+        domain_transitions = {str(d): _transitions(ex[labels == d], n_expert) for d in np.unique(labels)}
+    return RoutingProfile(
+        _normalise_rows(expert_counts(ex, n_expert)), domain_freq, transitions, int(ex.shape[2]), domain_transitions
+    )
+
+
+def _transitions(ex: NDArray[np.int64], n_expert: int) -> FloatArray:
+    # Each activation of a at layer l co-occurs with k experts at l+1: rows sum to k, so an
+    # entry is the probability that b follows a.
+    return _normalise_rows(transition_counts(ex, n_expert)) * ex.shape[2]
 
 
 def _counts_table(layer_counts: Mapping[str, Mapping[str, int]], n_layer: int, n_expert: int) -> FloatArray:

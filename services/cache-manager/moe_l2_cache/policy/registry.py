@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from moe_l2_cache.policy import hybrid, online
+from moe_l2_cache.policy import hybrid, online, prefetch
 from moe_l2_cache.policy.base import ExpertCachePolicy, FloatArray, PolicyError
 from moe_l2_cache.policy.belady import Belady
 from moe_l2_cache.policy.hybrid import DomainPriorHybrid
@@ -14,8 +14,9 @@ from moe_l2_cache.policy.prefetch import CrossLayerPrefetch
 from moe_l2_cache.policy.profile import RoutingProfile
 from moe_l2_cache.policy.static import StaticDomain, StaticGlobal
 
-# The policy docs/cache-policy-study.md chooses (tests/policy checks that the two agree).
-DEFAULT_POLICY = "hybrid"
+# The policy docs/cache-policy-study.md chooses (tests/policy checks that the two agree). Without
+# transition tables (the cache-manager's host pool, which sees no per-token routing) it is `hybrid`.
+DEFAULT_POLICY = "hybrid_threshold_prefetch"
 
 
 Factory = Callable[[int, int, int, Mapping[str, Any]], ExpertCachePolicy]
@@ -32,7 +33,9 @@ def _global(profile: Mapping[str, Any], policy: str) -> FloatArray:
     return _need(profile, "global_freq", policy)
 
 
-def _hybrid(n_layer: int, n_expert: int, capacity: int, profile: Mapping[str, Any]) -> DomainPriorHybrid:
+def _hybrid(
+    n_layer: int, n_expert: int, capacity: int, profile: Mapping[str, Any], *, admission: bool = False
+) -> DomainPriorHybrid:
     return DomainPriorHybrid(
         n_layer,
         n_expert,
@@ -43,6 +46,20 @@ def _hybrid(n_layer: int, n_expert: int, capacity: int, profile: Mapping[str, An
         prior_weight=profile.get("prior_weight", hybrid.PRIOR_WEIGHT),
         fill_weight=profile.get("fill_weight", hybrid.FILL_WEIGHT),
         top_k=profile.get("top_k"),
+        admission=admission,
+        admit_margin=profile.get("admit_margin", hybrid.ADMIT_MARGIN),
+    )
+
+
+def _threshold_prefetch(n_layer: int, n_expert: int, capacity: int, p: Mapping[str, Any]) -> CrossLayerPrefetch:
+    # Without transitions (the cache-manager's pool learns none) nothing is prefetched: it is the hybrid.
+    return CrossLayerPrefetch(
+        _hybrid(n_layer, n_expert, capacity, p),
+        p.get("transitions"),
+        p.get("n_predict"),
+        min_lift=p.get("min_lift", prefetch.MIN_LIFT),
+        domain_transitions=p.get("domain_transitions"),
+        name="hybrid_threshold_prefetch",
     )
 
 
@@ -59,12 +76,14 @@ _FACTORIES: dict[str, Factory] = {
         n_layer, n_expert, capacity, _global(p, "static_domain"), p.get("domain_freq") or {}
     ),
     "hybrid": _hybrid,
+    "hybrid_admit": lambda n_layer, n_expert, capacity, p: _hybrid(n_layer, n_expert, capacity, p, admission=True),
     "xlayer_prefetch": lambda n_layer, n_expert, capacity, p: CrossLayerPrefetch(
         LRU(n_layer, n_expert, capacity), _need(p, "transitions", "xlayer_prefetch"), p.get("n_predict")
     ),
     "hybrid_prefetch": lambda n_layer, n_expert, capacity, p: CrossLayerPrefetch(
         _hybrid(n_layer, n_expert, capacity, p), _need(p, "transitions", "hybrid_prefetch"), p.get("n_predict")
     ),
+    "hybrid_threshold_prefetch": _threshold_prefetch,
     "belady": lambda n_layer, n_expert, capacity, p: Belady(
         n_layer, n_expert, capacity, _need(p, "future", "belady"), p.get("bypass", True)
     ),
@@ -77,8 +96,9 @@ def make_policy(name: str, n_layer: int, n_expert: int, capacity: int, **profile
     """A fresh policy.
 
     `profile` holds what profiled policies need: `global_freq`, `domain_freq`, `transitions`, `top_k`
-    (from `RoutingProfile.as_kwargs()`), knobs (`half_life`, `prior_weight`, `fill_weight`,
-    `n_predict`), and for the offline `belady` only, `future` (the whole stream, [token, layer, k]).
+    and `domain_transitions` (from `RoutingProfile.as_kwargs()`), knobs (`half_life`, `prior_weight`,
+    `fill_weight`, `admit_margin`, `n_predict`, `min_lift`), and for the offline `belady` only,
+    `future` (the whole stream, [token, layer, k]).
     Keys a policy does not use are ignored, so one profile serves every policy.
     """
     try:
