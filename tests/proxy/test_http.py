@@ -148,6 +148,21 @@ def _free() -> int:
     return free_port()
 
 
+def read_response(conn: socket.socket) -> bytes:
+    """One whole HTTP/1.1 response with a Content-Length (head and body, however the reads split it)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return data  # closed: an incomplete response, which fails the caller's check
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    fields = dict(line.lower().split(b": ", 1) for line in head.split(b"\r\n")[1:])
+    while len(body) < int(fields[b"content-length"]) and (chunk := conn.recv(65536)):
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
 @pytest.mark.slow
 def test_idle_client_connection_outlives_the_clients_own_expiry(gateway):
     # httpx and the OpenAI SDK drop idle pooled connections after 5 s. A server that closes at 5 s
@@ -156,7 +171,8 @@ def test_idle_client_connection_outlives_the_clients_own_expiry(gateway):
     request = f"GET /healthz HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
     with socket.create_connection((host, int(port)), timeout=10) as conn:
         conn.sendall(request)
-        assert conn.recv(65536).startswith(b"HTTP/1.1 200")
+        assert read_response(conn).startswith(b"HTTP/1.1 200")
         time.sleep(6.0)
         conn.sendall(request)
-        assert conn.recv(65536).startswith(b"HTTP/1.1 200")  # same connection, still served
+        second = read_response(conn)  # same connection, still served
+        assert second.startswith(b"HTTP/1.1 200") and second.endswith(b'{"status":"ok"}')
