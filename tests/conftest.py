@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,10 +10,17 @@ from pathlib import Path
 import httpx
 import pytest
 
+from moe_l2_common.admin import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HEADER
 from moe_l2_common.demo_model import load_planted, make_demo_model
 from moe_l2_common.supervisor import Supervisor, free_port
 from moe_l2_llama.service import llama_service_spec
 from moe_l2_llama.settings import LlamaSettings, llama_server_binary
+
+
+# Every service a test starts inherits this environment, so they all share one admin token, as
+# under `moe-l2 up`; tests of the token itself override it per process.
+ADMIN_TOKEN = os.environ.setdefault(ADMIN_TOKEN_ENV, "moe-l2-test-admin-token")
+ADMIN_HEADERS = {ADMIN_TOKEN_HEADER: ADMIN_TOKEN}
 
 
 @dataclass
@@ -22,7 +30,7 @@ class LlamaServer:
     log_path: Path
 
     def routing(self, reset: bool = False) -> dict:
-        resp = self.client.get("/moe/routing", params={"reset": "1"} if reset else None)
+        resp = self.client.get("/moe/routing", params={"reset": "1"} if reset else None, headers=ADMIN_HEADERS)
         resp.raise_for_status()
         return resp.json()
 

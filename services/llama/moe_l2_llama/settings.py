@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import re
 import shlex
 from pathlib import Path
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from moe_l2_common.admin import configured_token
+from moe_l2_common.domains import known_domains
 
 
 class LlamaSettings(BaseSettings):
@@ -27,6 +31,10 @@ class LlamaSettings(BaseSettings):
     n_cpu_moe: int | None = Field(default=None, ge=0, description="keep the experts of the first N layers on the CPU")
     gpu_layers: int | None = Field(default=None, description="-ngl; unset leaves llama.cpp's default")
     llama_extra_args: str = Field(default="", description="more llama-server arguments, shell-quoted")
+    model_alias: str = Field(
+        default="", description="the model name clients see (default: the GGUF's general.name, else the file stem)"
+    )
+    admin_token: str = Field(default="", description="required by llama's admin calls (see moe_l2_common.admin)")
 
 
 def llama_server_binary(settings: LlamaSettings) -> Path:
@@ -59,10 +67,32 @@ def llama_server_command(binary: Path, model: Path, settings: LlamaSettings) -> 
         cmd += ["--n-cpu-moe", str(settings.n_cpu_moe)]
     if settings.gpu_layers is not None:
         cmd += ["--gpu-layers", str(settings.gpu_layers)]
+    # clients see a model name, never the host path llama-server would report as the model id
+    cmd += ["--alias", settings.model_alias or model_name(model)]
     cmd += shlex.split(settings.llama_extra_args)
     return cmd
 
 
+def model_name(model: Path) -> str:
+    """The GGUF's `general.name`, else the file's stem (a split model's shard suffix dropped)."""
+    try:
+        from gguf import GGUFReader
+
+        field = GGUFReader(model).get_field("general.name")
+        if field is not None:
+            name = str(field.contents()).strip()
+            if name:
+                return name
+    except (OSError, ValueError, KeyError, IndexError):
+        pass  # not readable as GGUF here: llama-server will say why; the stem still names it
+    return re.sub(r"-\d{5}-of-\d{5}$", "", model.stem)
+
+
 def llama_server_env(settings: LlamaSettings) -> dict[str, str]:
-    """Variables added to the environment of llama-server."""
-    return {"LLAMA_MOE_TELEMETRY": "1" if settings.telemetry else "0"}
+    """Variables added to the environment of llama-server: the telemetry switch, the admin token
+    (empty: every admin call is refused) and the domains a request may be tagged with."""
+    return {
+        "LLAMA_MOE_TELEMETRY": "1" if settings.telemetry else "0",
+        "LLAMA_MOE_ADMIN_TOKEN": settings.admin_token or configured_token(),
+        "LLAMA_MOE_DOMAINS": ",".join(sorted(known_domains())),
+    }
