@@ -16,7 +16,6 @@ from moe_l2_common.supervisor import Supervisor, free_port
 from moe_l2_llama.service import llama_service_spec
 from moe_l2_llama.settings import LlamaSettings, llama_server_binary
 
-
 # Every service a test starts inherits this environment, so they all share one admin token, as
 # under `moe-l2 up`; tests of the token itself override it per process.
 ADMIN_TOKEN = os.environ.setdefault(ADMIN_TOKEN_ENV, "moe-l2-test-admin-token")
