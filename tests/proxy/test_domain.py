@@ -2,21 +2,102 @@
 
 from __future__ import annotations
 
-import pytest
+import re
+import sys
 
+import httpx
+import pytest
+import yaml
+
+from moe_l2_common.domains import DEFAULT_DOMAINS
 from moe_l2_common.keywords import KeywordClassifier
-from tests.proxy.support import chat_body
+from moe_l2_common.supervisor import ServiceSpec, http_ok
+from tests.conftest import LlamaServer
+from tests.proxy.support import chat_body, llama_spec
 
 pytestmark = pytest.mark.llama
 
 
+def llama_tags(llama: LlamaServer) -> set[str]:
+    """Every domain tag llama's telemetry holds: routing tables, token counts and /metrics label sets.
+    (A plain GET of /moe/routing is not an admin call: no token is sent.)"""
+    routing = httpx.get(f"{llama.url}/moe/routing", timeout=30).raise_for_status().json()
+    labels = set(re.findall(r'domain="([^"]*)"', llama.metrics()))
+    return set(routing.get("domains", {})) | set(routing.get("tokens_by_domain", {})) | labels
+
+
 def test_header_domain_is_used_and_reaches_llama(gateway, llama32):
-    tag = "gwtest_header_tag"
+    tag = "logic"
+    before = llama32.routing()["tokens_by_domain"].get(tag, 0)
     resp = gateway.client.post("/v1/chat/completions", json=chat_body(), headers={"X-MoE-Domain": tag})
     assert resp.status_code == 200
     assert resp.headers["x-moe-domain"] == tag and resp.headers["x-moe-domain-source"] == "header"
     # llama's telemetry counted the tokens of this request under the tag the gateway forwarded
-    assert llama32.routing()["tokens_by_domain"].get(tag, 0) > 0
+    assert llama32.routing()["tokens_by_domain"].get(tag, 0) > before
+
+
+def test_unknown_header_domains_are_refused_and_never_reach_llama(gateway, llama32):
+    # the 30 header values of the report, which grew llama's label sets and Redis from 13 to 43
+    bogus = [f"client_tag_{i:02d}" for i in range(30)]
+    before = llama_tags(llama32)
+    answers = []
+    for i, tag in enumerate(bogus):
+        headers = {"X-MoE-Domain": tag}
+        match i % 4:
+            case 0:
+                answers.append(("v1", gateway.client.post("/v1/chat/completions", json=chat_body(), headers=headers)))
+            case 1:
+                body = {"prompt": "hello", "max_tokens": 2, "stream": True}
+                answers.append(("v1", gateway.client.post("/v1/completions", json=body, headers=headers)))
+            case 2:
+                body = {"model": "d", "messages": [{"role": "user", "content": "hi"}], "options": {"num_predict": 2}}
+                answers.append(("api", gateway.client.post("/api/chat", json=body, headers=headers)))
+            case 3:
+                body = {"model": "d", "prompt": "hi", "stream": False, "options": {"num_predict": 2}}
+                answers.append(("api", gateway.client.post("/api/generate", json=body, headers=headers)))
+    for (api, resp), tag in zip(answers, bogus, strict=True):
+        assert resp.status_code == 400, (tag, resp.status_code, resp.text[:200])
+        if api == "v1":
+            error = resp.json()["error"]
+            assert error["code"] == "unknown_domain" and error["type"] == "invalid_request_error"
+            message = error["message"]
+        else:
+            message = resp.json()["error"]
+            assert isinstance(message, str)
+        # the answer lists what is valid
+        assert all(name in message for name in DEFAULT_DOMAINS), message
+    after = llama_tags(llama32)
+    assert not (after - before) & set(bogus), after - before
+    assert not any(tag.startswith("client_tag_") for tag in after)
+
+
+@pytest.mark.parametrize("tag", ["_global", "_x", "_"])
+def test_reserved_header_domain_is_400(gateway, tag):
+    resp = gateway.client.post("/v1/chat/completions", json=chat_body(), headers={"X-MoE-Domain": tag})
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "reserved_domain"
+    ollama = gateway.client.post(
+        "/api/generate", json={"model": "d", "prompt": "hi", "stream": False}, headers={"X-MoE-Domain": tag}
+    )
+    assert ollama.status_code == 400 and "reserved" in ollama.json()["error"]
+
+
+def test_passthrough_refuses_an_unknown_domain(gateway):
+    resp = gateway.client.get("/v1/models", headers={"X-MoE-Domain": "client_tag_models"})
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "unknown_domain"
+    assert gateway.client.get("/v1/models", headers={"X-MoE-Domain": "math"}).status_code == 200
+
+
+def test_extra_domains_are_accepted(start_gateway, managed, llama_binary, demo_model, monkeypatch):
+    # the operator's own domains (MOE_L2_EXTRA_DOMAINS), configured for llama and the gateway alike
+    monkeypatch.setenv("MOE_L2_EXTRA_DOMAINS", "acme_legal,acme_hr")
+    llama = managed("extra-domains-llama", llama_spec(llama_binary, demo_model, "extra-domains-llama"))
+    llama.start()
+    gw = start_gateway(llama.url, MOE_L2_EXTRA_DOMAINS="acme_legal,acme_hr")
+    resp = gw.client.post("/v1/chat/completions", json=chat_body(), headers={"X-MoE-Domain": "acme_legal"})
+    assert resp.status_code == 200
+    assert resp.headers["x-moe-domain"] == "acme_legal" and resp.headers["x-moe-domain-source"] == "header"
+    refused = gw.client.post("/v1/chat/completions", json=chat_body(), headers={"X-MoE-Domain": "acme_ops"})
+    assert refused.status_code == 400 and "acme_hr" in refused.json()["error"]["message"]
 
 
 def test_header_domain_on_ollama_and_completions(gateway):
@@ -111,3 +192,48 @@ def test_host_name_is_expanded_to_its_addresses(start_gateway, llama32, start_pr
         gw.client.post("/v1/chat/completions", json=chat_body()).headers["x-moe-domain-source"] for _ in range(3)
     }
     assert "predictor" in sources
+
+
+def other_taxonomy_predictor(name: str, taxonomy_path: str):
+    """A real predictor whose taxonomy is not the gateway's: it answers domains the gateway does not know."""
+
+    def spec(port: int) -> ServiceSpec:
+        base = f"http://127.0.0.1:{port}"
+        return ServiceSpec(
+            name=name,
+            argv=[sys.executable, "-m", "moe_l2_predictor"],
+            env={
+                "MOE_L2_PREDICTOR_PORT": str(port),
+                "MOE_L2_PREDICTOR_HOST": "127.0.0.1",
+                "MOE_L2_PREDICTOR_TIERS": "keyword",
+                "MOE_L2_TAXONOMY_PATH": taxonomy_path,
+            },
+            health=http_ok(f"{base}/healthz"),
+            url=base,
+            start_timeout_s=120,
+        )
+
+    return spec
+
+
+def test_a_predicted_domain_outside_the_set_falls_back_to_the_keyword_tier(start_gateway, llama32, managed, tmp_path):
+    doc = {
+        "fallback": "chitchat",
+        "domains": [
+            {"name": "chitchat", "description": "small talk", "keywords": ["hello"], "examples": ["hi", "hello"]},
+            {"name": "cooking", "description": "recipes", "keywords": {"recipe": 3}, "examples": ["a recipe"]},
+        ],
+    }
+    path = tmp_path / "taxonomy.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    predictor = managed("other-taxonomy-predictor", other_taxonomy_predictor("other-taxonomy-predictor", str(path)))
+    predictor.start()
+    gw = start_gateway(llama32.url, MOE_L2_PREDICTOR_URLS=predictor.url, MOE_L2_PREDICT_BUDGET_MS="2000")
+    text = "a recipe for bread, then write a python function that parses a csv file"
+    assert httpx.post(f"{predictor.url}/v1/predict", json={"text": text}, timeout=30).json()["domain"] == "cooking"
+    resp = gw.client.post("/v1/chat/completions", json=chat_body(text))
+    assert resp.status_code == 200
+    assert gw.metric("moe_l2_predictor_request_seconds_count", endpoint=predictor.url) >= 1  # it was asked
+    assert resp.headers["x-moe-domain-source"] == "fallback"
+    assert resp.headers["x-moe-domain"] == KeywordClassifier().predict(text).domain
+    assert "cooking" not in llama_tags(llama32)

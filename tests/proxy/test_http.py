@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 
@@ -9,6 +10,9 @@ import ollama
 import openai
 import pytest
 
+from moe_l2_common.domains import known_domains
+from moe_l2_proxy.errors import client_mistake
+from tests.fuzz.schema_refs import request_validator, unresolved
 from tests.proxy.support import chat_body, metric_value
 
 pytestmark = pytest.mark.llama
@@ -176,3 +180,116 @@ def test_idle_client_connection_outlives_the_clients_own_expiry(gateway):
         conn.sendall(request)
         second = read_response(conn)  # same connection, still served
         assert second.startswith(b"HTTP/1.1 200") and second.endswith(b'{"status":"ok"}')
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_empty_messages_is_400(gateway, stream):
+    resp = gateway.client.post("/v1/chat/completions", json={"messages": [], "max_tokens": 2, "stream": stream})
+    assert resp.status_code == 400
+    error = resp.json()["error"]
+    assert error["type"] == "invalid_request_error" and "messages" in error["message"]
+
+
+def test_ollama_chat_without_messages_loads_the_model_as_ollama_does(gateway):
+    # Ollama's documented "load a model" call (clients preload with it): not an error there either
+    resp = gateway.client.post("/api/chat", json={"model": "d", "messages": [], "stream": False})
+    assert resp.status_code == 200 and resp.json()["done_reason"] == "load"
+
+
+IMAGE = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
+# Client mistakes llama-server answers with a 500 (its std::runtime_error, not invalid_argument)
+LLAMA_500_MISTAKES = {
+    "image without a projector": (
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{IMAGE}"}}],
+                }
+            ]
+        },
+        "image input is not supported",
+    ),
+    "tools not a list": ({"messages": [{"role": "user", "content": "hi"}], "tools": 5}, "Failed to parse tools"),
+    "tools of an unknown type": (
+        {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "zz"}]},
+        "Failed to parse tools",
+    ),
+    "null text part": (
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]},
+        "Failed to parse messages",
+    ),
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("case", sorted(LLAMA_500_MISTAKES))
+def test_llama_500s_for_client_mistakes_are_400_on_v1(gateway, llama32, case, stream):
+    body, message = LLAMA_500_MISTAKES[case]
+    body = {**body, "max_tokens": 2, "stream": stream}
+    direct = llama32.client.post("/v1/chat/completions", json=body)
+    assert direct.status_code == 500 and direct.json()["error"]["type"] == "server_error"  # what llama does
+    resp = gateway.client.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"].startswith(message)
+    assert error["message"] == direct.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_llama_500s_for_client_mistakes_are_400_on_api(gateway, stream):
+    options = {"num_predict": 2}
+    cases = [
+        ("/api/chat", {"messages": [{"role": "user", "content": "hi", "images": [IMAGE]}]}, "image input"),
+        ("/api/generate", {"prompt": "describe", "images": [IMAGE]}, "image input"),
+        ("/api/chat", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "zz"}]}, "Failed to parse"),
+    ]
+    for path, body, message in cases:
+        resp = gateway.client.post(path, json={"model": "d", **body, "stream": stream, "options": options})
+        assert resp.status_code == 400, (path, resp.text)
+        assert resp.json()["error"].startswith(message)
+
+
+def test_only_client_mistakes_among_llama_500s_become_400s():
+    def body(message: str, kind: str = "server_error") -> bytes:
+        return json.dumps({"error": {"code": 500, "message": message, "type": kind}}).encode()
+
+    assert client_mistake(500, body("Failed to parse tools: Expected 'tools' to be an array, got 5"))
+    assert client_mistake(500, body("audio input is not supported - hint: ..."))
+    # llama's own failures stay 500s: generation errors, a full KV cache, anything not recognised
+    for message in (
+        "got exception: failed to decode",
+        "Failed to tokenize prompt",
+        "No available space in KV cache or invalid slot save file",
+        "Internal Server Error",
+        "the image input is not supported - hint",
+    ):
+        assert client_mistake(500, body(message)) is None, message
+    assert client_mistake(500, b"Internal Server Error") is None
+    assert client_mistake(503, body("Failed to parse tools: x")) is None
+    assert client_mistake(500, body("Failed to parse tools: x", kind="unavailable_error")) is None
+
+
+def test_gateway_publishes_its_openapi_document(gateway):
+    resp = gateway.client.get("/openapi.json")
+    assert resp.status_code == 200
+    doc = resp.json()
+    assert doc["openapi"].startswith("3.1")
+    assert set(doc["paths"]) >= {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/models",
+        "/api/chat",
+        "/api/generate",
+        "/api/tags",
+        "/api/ps",
+        "/api/show",
+        "/api/version",
+    }
+    assert unresolved(doc) == []
+    chat = request_validator(doc, "/v1/chat/completions")
+    assert chat.is_valid(chat_body())
+    assert not chat.is_valid({"messages": []})
+    assert request_validator(doc, "/api/generate").is_valid({"model": "d", "prompt": "hi", "options": {"seed": 1}})
+    header = doc["paths"]["/v1/chat/completions"]["post"]["parameters"][0]
+    assert header["name"] == "X-MoE-Domain" and set(header["schema"]["enum"]) == set(known_domains())

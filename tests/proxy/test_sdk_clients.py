@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import ollama
 import openai
 import pytest
+from gguf import GGUFReader
 from langchain_openai import ChatOpenAI
+
+from tests.proxy.support import chat_body, llama_spec
 
 pytestmark = pytest.mark.llama
 
@@ -109,3 +115,67 @@ def test_langchain_invoke_and_stream(gateway):
     assert message.usage_metadata["output_tokens"] == 6
     pieces = [chunk.content for chunk in llm.stream("write a sorting function")]
     assert len([p for p in pieces if p]) >= 2
+
+
+def gguf_name(path: Path) -> str:
+    field = GGUFReader(path).get_field("general.name")
+    return str(field.contents())
+
+
+def served_names(gateway) -> dict[str, dict]:
+    """Every place a client is told the model's name, and every answer it came in (as text)."""
+    client = gateway.client
+    chat = chat_body("hello", 2)
+    answers = {
+        "/v1/models": client.get("/v1/models"),
+        "/v1/chat/completions": client.post(
+            "/v1/chat/completions", json={k: v for k, v in chat.items() if k != "model"}
+        ),
+        "/v1/chat/completions stream": client.post("/v1/chat/completions", json={**chat, "stream": True}),
+        "/v1/completions": client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}),
+        "/api/tags": client.get("/api/tags"),
+        "/api/ps": client.get("/api/ps"),
+        "/api/show": client.post("/api/show", json={"model": "anything"}),
+    }
+    for route, resp in answers.items():
+        assert resp.status_code == 200, (route, resp.text[:200])
+    names: dict[str, list[str]] = {route: [] for route in answers}
+    names["/v1/models"] = [m["id"] for m in answers["/v1/models"].json()["data"]]
+    names["/v1/models"] += [m[k] for m in answers["/v1/models"].json().get("models", []) for k in ("name", "model")]
+    names["/v1/chat/completions"] = [answers["/v1/chat/completions"].json()["model"]]
+    names["/v1/chat/completions stream"] = [
+        json.loads(line[6:])["model"]
+        for line in answers["/v1/chat/completions stream"].text.splitlines()
+        if line.startswith("data: {")
+    ]
+    names["/v1/completions"] = [answers["/v1/completions"].json()["model"]]
+    for route in ("/api/tags", "/api/ps"):
+        names[route] = [m[k] for m in answers[route].json()["models"] for k in ("name", "model")]
+    texts = {route: resp.text for route, resp in answers.items()}
+    return {"names": names, "texts": texts}
+
+
+def assert_only_the_name(seen: dict, name: str, model_path: Path) -> None:
+    for route, found in seen["names"].items():
+        if route == "/api/show":
+            continue  # Ollama's show answer carries no name of its own
+        assert found and set(found) == {name}, (route, found)
+    for route, text in seen["texts"].items():
+        assert ".gguf" not in text, route
+        assert str(model_path.parent) not in text, route
+
+
+def test_clients_see_the_model_name_never_a_host_path(gateway, demo_model):
+    # the demo GGUF's general.name; a real model's own name the same way
+    name = gguf_name(demo_model)
+    assert name == "moe-l2-demo"
+    assert_only_the_name(served_names(gateway), name, demo_model)
+
+
+def test_the_model_alias_is_the_name_clients_see(start_gateway, managed, llama_binary, demo_model, monkeypatch):
+    monkeypatch.setenv("MOE_L2_MODEL_ALIAS", "acme-moe-7b")
+    llama = managed("alias-llama", llama_spec(llama_binary, demo_model, "alias-llama"))
+    llama.start()
+    gw = start_gateway(llama.url)
+    assert_only_the_name(served_names(gw), "acme-moe-7b", demo_model)
+    assert [m.model for m in ollama.Client(host=gw.url).list().models] == ["acme-moe-7b"]

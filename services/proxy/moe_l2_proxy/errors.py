@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,6 +39,51 @@ class GatewayError(Exception):
         self.message = message
         self.code = code
         self.error_type = error_type or _TYPES.get(status, "server_error")
+
+
+# llama-server answers 400 for the request errors it throws as std::invalid_argument, but 500 for
+# those raised another way while it reads the request (source: tools/server/server.cpp ex_wrapper,
+# common/chat.cpp, server-common.cpp of the pinned llama.cpp). These are the 500 messages that can
+# only come from the client's request, each checked against the real llama-server in the tests;
+# every other 500 stays a 500.
+_CLIENT_MISTAKES = re.compile(
+    "|".join(
+        (
+            # common/chat.cpp rethrows its own checks of `messages` / `tools` (wrong types, a missing
+            # role, a null text part, a tool of an unknown type) as runtime errors with these prefixes
+            r"Failed to parse messages: ",
+            r"Failed to parse tools: ",
+            # media parts sent to a model that has no projector (mmproj) for them
+            r"(image|audio|video) input is not supported - ",
+            r"Multimodal data provided, but model does not support multimodal requests",
+            # media parts whose bytes do not decode
+            r"Invalid base64 value$",
+            r"Failed to load image or audio file$",
+            # request parameters llama-server cannot serve in this configuration
+            r"tools param requires --jinja flag$",
+            r"tool_choice param requires --jinja flag$",
+            r"Cannot use both json_schema and grammar$",
+            r"Unsupported param: ",
+            r"Only no echo is supported$",
+        )
+    )
+)
+
+
+def client_mistake(status: int, content: bytes) -> str | None:
+    """llama's message when its error answer is a 500 caused by the client's request, else None."""
+    if status != 500 or len(content) > 65536:
+        return None
+    try:
+        error = json.loads(content).get("error")
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(error, dict) or error.get("type") != "server_error":
+        return None
+    message = error.get("message")
+    if isinstance(message, str) and _CLIENT_MISTAKES.match(message):
+        return message
+    return None
 
 
 def is_ollama_path(path: str) -> bool:

@@ -23,7 +23,7 @@ from moe_l2_common.schemas.ollama import (
 from moe_l2_common.schemas.openai import ModelList as OpenAIModelList
 from moe_l2_common.schemas.predict import ChatMessage
 from moe_l2_proxy.domain import Decision
-from moe_l2_proxy.errors import GatewayError, error_response, gateway_error_response
+from moe_l2_proxy.errors import GatewayError, client_mistake, error_response, gateway_error_response
 from moe_l2_proxy.gateway import ClientDisconnected, Gateway, gateway, parse_body, until_disconnect
 from moe_l2_proxy.metrics import request_started
 from moe_l2_proxy.ollama_translate import (
@@ -179,6 +179,8 @@ def upstream_message(content: bytes) -> str:
 
 
 def upstream_error(path: str, upstream: httpx.Response, headers: dict[str, str]) -> JSONResponse:
+    if (message := client_mistake(upstream.status_code, upstream.content)) is not None:
+        return error_response(path, 400, message, headers=headers)
     return error_response(path, upstream.status_code, upstream_message(upstream.content), headers=headers)
 
 

@@ -14,8 +14,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from moe_l2_common.schemas.openai import ChatCompletionRequestView, CompletionRequestView, ErrorBody, ErrorDetail
-from moe_l2_proxy.domain import Decision, header_domain
-from moe_l2_proxy.errors import GatewayError, gateway_error_response
+from moe_l2_proxy.domain import Decision
+from moe_l2_proxy.errors import GatewayError, client_mistake, error_response, gateway_error_response
 from moe_l2_proxy.gateway import ClientDisconnected, Gateway, gateway, parse_body, until_disconnect
 from moe_l2_proxy.metrics import request_started
 from moe_l2_proxy.streaming import RelayResponse, SseObserver, relay_raw
@@ -82,6 +82,8 @@ async def generate(request: Request, gw: Gateway, body: bytes, decision: Decisio
         if stream:
             await upstream.aread()
             await upstream.aclose()
+        if (message := client_mistake(upstream.status_code, upstream.content)) is not None:
+            return error_response(request.url.path, 400, message, code="invalid_request", headers=extra)
         count_blocking_tokens(gw, upstream)
         return Response(upstream.content, upstream.status_code, headers={**response_headers(upstream), **extra})
     route = request.url.path
@@ -110,7 +112,7 @@ async def passthrough(request: Request, path: str) -> Response:
     """Any other /v1 route (models, embeddings, responses, ...) as it is, streamed back as it comes."""
     gw = gateway(request)
     body = await request.body()
-    domain = header_domain(request.headers.get(DOMAIN_HEADER))
+    domain = gw.domains.header_domain(request.headers.get(DOMAIN_HEADER))
     headers = gw.llama.forward_headers(request.headers.items(), domain)
     try:
         upstream = await until_disconnect(
@@ -120,6 +122,13 @@ async def passthrough(request: Request, path: str) -> Response:
         return gateway_error_response(request.url.path, exc)
     except ClientDisconnected:
         return Response(status_code=499)
+    if upstream.status_code == 500:
+        # an error JSON, small: read whole to tell the client's mistakes from llama's own failures
+        await upstream.aread()
+        await upstream.aclose()
+        if (message := client_mistake(upstream.status_code, upstream.content)) is not None:
+            return error_response(request.url.path, 400, message, code="invalid_request")
+        return Response(upstream.content, upstream.status_code, headers=response_headers(upstream))
     return RelayResponse(
         relay_raw(upstream, lambda exc: sse_error(gw, exc)),
         upstream,

@@ -1,4 +1,5 @@
-"""Probes and figures: /healthz (alive), /readyz (llama reachable), /metrics (Prometheus), /moe/stats (JSON)."""
+"""Probes and figures: /healthz (alive), /readyz (llama reachable), /metrics (Prometheus), /moe/stats (JSON),
+and the published API (/openapi.json)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from moe_l2_proxy.errors import GatewayError
 from moe_l2_proxy.gateway import Gateway, gateway
+from moe_l2_proxy.openapi import build_document
 
 router = APIRouter()
 
@@ -23,6 +25,18 @@ _LLAMA_MOE_SAMPLE = re.compile(r'^llamacpp:(moe_\w+?)(?:_total)?(?:\{domain="([^
 @router.get("/healthz")
 async def healthz() -> dict[str, str]:
     return {"status": "ok"}
+
+
+@router.get("/openapi.json")
+async def openapi(request: Request) -> JSONResponse:
+    state = request.app.state
+    # built once: the domains and settings it lists are fixed at startup
+    if getattr(state, "openapi_document", None) is None:
+        gw = gateway(request)
+        state.openapi_document = build_document(
+            gw.domains.header.known, request.app.version, api_keys=bool(gw.settings.api_key_list)
+        )
+    return JSONResponse(state.openapi_document)
 
 
 @router.get("/readyz")

@@ -40,7 +40,8 @@ class ChatCompletionRequestView(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str = ""
-    messages: list[ChatMessage]
+    # OpenAI refuses an empty list; llama-server would answer it with a generation from nothing
+    messages: list[ChatMessage] = Field(min_length=1)
     stream: bool | None = False
 
 
