@@ -1,9 +1,12 @@
-"""`moe-l2 up` (what `make run` calls): the demo stack comes up, answers, and stops on Ctrl-C."""
+"""`moe-l2 up` (what `make run` calls): the demo stack comes up, answers, and stops on Ctrl-C; the
+admin token it creates and hands to every service. Restarts: tests/test_restarts.py."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -12,9 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from moe_l2_common.admin import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV
+from moe_l2_common.stack import StackSettings, stack_admin_token, stack_services
 from moe_l2_common.supervisor import free_port, port_in_use
-
-pytestmark = pytest.mark.llama
+from tests.test_restarts import service_pids
 
 
 def wait_for_line(proc: subprocess.Popen[str], marker: str, timeout_s: float) -> list[str]:
@@ -33,6 +37,7 @@ def wait_for_line(proc: subprocess.Popen[str], marker: str, timeout_s: float) ->
     raise AssertionError(f"{marker!r} not printed; output so far: {''.join(lines)}")
 
 
+@pytest.mark.llama
 def test_up_serves_the_demo_model_and_stops_cleanly(llama_binary: Path, tmp_path: Path) -> None:
     llama_port, redis_port, proxy_port = free_port(), free_port(), free_port()
     env = {
@@ -49,6 +54,7 @@ def test_up_serves_the_demo_model_and_stops_cleanly(llama_binary: Path, tmp_path
     }
     env.pop("MOE_L2_MODEL_PATH", None)
     env.pop("MODEL", None)
+    env.pop(ADMIN_TOKEN_ENV, None)  # so `up` creates the state folder's token
     proc = subprocess.Popen(
         [sys.executable, "-m", "moe_l2_common.cli", "up"],
         stdout=subprocess.PIPE,
@@ -63,6 +69,23 @@ def test_up_serves_the_demo_model_and_stops_cleanly(llama_binary: Path, tmp_path
         assert f"http://127.0.0.1:{llama_port}/v1" in output
         assert f"redis://127.0.0.1:{redis_port}/0" in output
         assert (tmp_path / "state" / "models" / "moe-l2-demo-seed0.gguf").is_file()
+
+        # the admin token: created private at the first start, in every service's environment
+        token_file = tmp_path / "state" / "admin-token"
+        assert f"admin token    {token_file}" in output
+        assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+        token = token_file.read_text().strip()
+        children = service_pids(proc.pid)
+        assert set(children) == {"redis", "llama", "cache-manager", "predictor", "proxy"}
+        for name, pid in children.items():
+            if name == "redis":
+                continue  # it writes its process title over its environment block; it makes no admin calls
+            environ = dict(
+                item.split(b"=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in item
+            )
+            assert environ.get(ADMIN_TOKEN_ENV.encode()) == token.encode(), name
+            if name == "llama":
+                assert environ.get(b"LLAMA_MOE_ADMIN_TOKEN") == token.encode()
 
         resp = httpx.post(
             f"http://127.0.0.1:{llama_port}/v1/chat/completions",
@@ -99,6 +122,7 @@ def test_up_serves_the_demo_model_and_stops_cleanly(llama_binary: Path, tmp_path
     assert any((tmp_path / "state" / "redis").iterdir())
 
 
+@pytest.mark.llama
 def test_up_with_a_missing_model_is_one_clear_line(llama_binary: Path, tmp_path: Path) -> None:
     env = {**os.environ, "MOE_L2_STATE_DIR": str(tmp_path / "state"), "MOE_L2_LLAMA_PORT": str(free_port())}
     result = subprocess.run(
@@ -110,3 +134,72 @@ def test_up_with_a_missing_model_is_one_clear_line(llama_binary: Path, tmp_path:
     )
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1] == f"error: model {tmp_path / 'nope.gguf'} does not exist"
+
+
+@pytest.fixture
+def no_token(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """No admin token in the environment; the state folder in tmp_path. Returns the token file's path."""
+    monkeypatch.delenv(ADMIN_TOKEN_ENV, raising=False)
+    monkeypatch.delenv(ADMIN_TOKEN_FILE_ENV, raising=False)
+    monkeypatch.setenv("MOE_L2_STATE_DIR", str(tmp_path / "state"))
+    return tmp_path / "state" / "admin-token"
+
+
+def test_admin_token_is_created_private_and_kept_across_starts(no_token: Path) -> None:
+    token = stack_admin_token(StackSettings())
+    assert re.fullmatch(r"[0-9a-f]{64}", token)
+    assert no_token.read_text().strip() == token
+    assert stat.S_IMODE(no_token.stat().st_mode) == 0o600
+    written = no_token.stat().st_mtime_ns
+    assert stack_admin_token(StackSettings()) == token  # the next `moe-l2 up`
+    assert no_token.stat().st_mtime_ns == written
+
+
+def test_admin_token_from_the_environment_wins(no_token: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ADMIN_TOKEN_ENV, "given-by-the-user")
+    assert stack_admin_token(StackSettings()) == "given-by-the-user"
+    assert not no_token.exists(), "a token file was created although MOE_L2_ADMIN_TOKEN is set"
+    monkeypatch.delenv(ADMIN_TOKEN_ENV)
+    elsewhere = no_token.parent.parent / "secret"
+    elsewhere.write_text("from-a-file\n")
+    monkeypatch.setenv(ADMIN_TOKEN_FILE_ENV, str(elsewhere))
+    assert stack_admin_token(StackSettings()) == "from-a-file"
+    assert not no_token.exists()
+
+
+def test_every_service_gets_the_admin_token(no_token: Path) -> None:
+    specs = stack_services(StackSettings(), Path("/nonexistent.gguf"), Path("/bin/true"), admin_token="t0k3n")
+    assert [s.name for s in specs] == ["redis", "llama", "cache-manager", "predictor", "proxy"]
+    for spec in specs:
+        assert spec.env[ADMIN_TOKEN_ENV] == "t0k3n", spec.name
+    llama = next(s for s in specs if s.name == "llama")
+    assert llama.env["LLAMA_MOE_ADMIN_TOKEN"] == "t0k3n"
+
+
+def test_stack_restart_roles(no_token: Path) -> None:
+    """Which services a crash loop may leave behind (degraded) and which stop the stack; Redis
+    acknowledges a count only once it is on disk."""
+    specs = {s.name: s for s in stack_services(StackSettings(), Path("/nonexistent.gguf"), Path("/bin/true"))}
+    assert {name for name, s in specs.items() if s.required} == {"redis", "llama", "proxy"}
+    argv = specs["redis"].argv
+    assert argv[argv.index("--appendonly") + 1] == "yes"
+    assert argv[argv.index("--appendfsync") + 1] == "always"
+
+
+def test_doctor_checks_the_admin_token(no_token: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from moe_l2_common.doctor import check_admin_token
+
+    check = check_admin_token()
+    assert check.status == "warn" and f"`moe-l2 up` creates {no_token}" in check.detail
+    token = stack_admin_token(StackSettings())  # what `moe-l2 up` does at its first start
+    check = check_admin_token()
+    assert (check.status, check.detail) == ("pass", f"{no_token} (the token `moe-l2 up` created), mode 0600")
+    no_token.chmod(0o644)
+    check = check_admin_token()
+    assert check.status == "fail" and "mode 0644: others can read it; chmod 600 it" in check.detail
+    assert token not in check.detail
+    monkeypatch.setenv(ADMIN_TOKEN_FILE_ENV, str(no_token.parent / "missing"))
+    check = check_admin_token()
+    assert check.status == "fail" and "cannot read the admin token file" in check.detail
+    monkeypatch.setenv(ADMIN_TOKEN_ENV, "from-the-environment")
+    assert (check_admin_token().status, check_admin_token().detail) == ("pass", f"from {ADMIN_TOKEN_ENV}")

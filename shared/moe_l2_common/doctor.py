@@ -1,7 +1,9 @@
 """`moe-l2 doctor`: pass / warn / fail lines for what moe-l2 needs; exit status 1 on any failure.
 
 Python and packages, the patched llama-server binary, the model, GPU and driver (NVML), the memlock
-limit against the pool budget, /dev/shm, free disk, Redis, and the health of each running service.
+limit against the pool budget, /dev/shm, free disk, Redis, the health of each running service, the
+restarts `moe-l2 up` made, and the admin token: present, private (mode 0600), required by the
+services' admin calls and accepted by them.
 """
 
 from __future__ import annotations
@@ -246,6 +248,120 @@ def check_services(settings: OpsSettings) -> list[Check]:
     return out
 
 
+def check_supervisor() -> Check | None:
+    """The restarts of `moe-l2 up`'s services, from its state file; None where it is not in use."""
+    from moe_l2_common.stack import StackSettings
+    from moe_l2_common.supervisor import read_state
+
+    path = StackSettings().state_file
+    state = read_state(path)
+    if state is None:
+        return None
+    services: dict[str, dict] = state["services"]
+    if not state["live"]:
+        left = [name for name, svc in services.items() if svc.get("state") != "stopped"]
+        if not left:
+            return None  # stopped cleanly: nothing to say
+        return Check(
+            "supervisor",
+            "warn",
+            f"`moe-l2 up` (pid {state.get('pid')}) ended without stopping {', '.join(left)}; "
+            f"what it started may still run ({path})",
+        )
+    parts = []
+    for name, svc in services.items():
+        text = f"{name} {svc.get('state')}, {svc.get('restarts', 0)} restarts"
+        if svc.get("restarts") or svc.get("state") != "running":
+            text += f" (last: {svc.get('last_failure') or '-'}; log {svc.get('log')})"
+        parts.append(text)
+    detail = "; ".join(parts)
+    if any(svc.get("state") == "failed" for svc in services.values()):
+        return Check("supervisor", "fail", f"restarts given up (crash loop): {detail}")
+    if any(svc.get("restarts") or svc.get("state") != "running" for svc in services.values()):
+        return Check("supervisor", "warn", detail)
+    return Check("supervisor", "pass", detail)
+
+
+def find_admin_token() -> tuple[str, Path | None, str]:
+    """(token, the file it is read from or None, where it came from); ("", None, "") if there is none."""
+    from moe_l2_common.admin import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV, read_token_file
+    from moe_l2_common.stack import StackSettings
+
+    if token := os.environ.get(ADMIN_TOKEN_ENV, "").strip():
+        return token, None, ADMIN_TOKEN_ENV
+    if name := os.environ.get(ADMIN_TOKEN_FILE_ENV, "").strip():
+        path = Path(name)
+        return read_token_file(path), path, ADMIN_TOKEN_FILE_ENV
+    path = StackSettings().admin_token_file
+    if path.exists():
+        return read_token_file(path), path, "the token `moe-l2 up` created"
+    return "", None, ""
+
+
+def check_admin_token() -> Check:
+    from moe_l2_common.admin import AdminTokenError
+    from moe_l2_common.stack import StackSettings
+
+    try:
+        token, path, origin = find_admin_token()
+    except AdminTokenError as exc:
+        return Check("admin token", "fail", str(exc))
+    if not token:
+        return Check(
+            "admin token",
+            "warn",
+            f"none: set MOE_L2_ADMIN_TOKEN, or `moe-l2 up` creates {StackSettings().admin_token_file} at its "
+            "first start; until then every admin call is refused",
+        )
+    if path is None:
+        return Check("admin token", "pass", f"from {origin}")
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o077:
+        return Check("admin token", "fail", f"{path} ({origin}) has mode {mode:04o}: others can read it; chmod 600 it")
+    return Check("admin token", "pass", f"{path} ({origin}), mode {mode:04o}")
+
+
+# Admin calls that change nothing: the cache-manager's pull is what its flywheel does every few
+# seconds anyway; llama's hot-set body is invalid on purpose, so past the token check it is a 400.
+ADMIN_PROBES = (
+    ("cache-manager", "cache_url", "/v1/pull", {}, 200),
+    ("llama", "llama_url", "/moe/hot-set", {"layers": None}, 400),
+)
+
+
+def check_admin_calls(settings: OpsSettings) -> Check:
+    """Each admin call is refused (401) without the token and accepted with it."""
+    from moe_l2_common.admin import ADMIN_TOKEN_HEADER, AdminTokenError
+
+    try:
+        token = find_admin_token()[0]
+    except AdminTokenError:
+        token = ""
+    passed, problems = [], []
+    with httpx.Client(timeout=settings.ops_timeout_s) as client:
+        for name, url_field, path, body, accepted in ADMIN_PROBES:
+            url = str(getattr(settings, url_field)).rstrip("/") + path
+            try:
+                without = client.post(url, json=body).status_code
+                with_token = (
+                    client.post(url, json=body, headers={ADMIN_TOKEN_HEADER: token}).status_code if token else None
+                )
+            except httpx.HTTPError:
+                continue  # not running: its health check says so
+            if without != 401:
+                problems.append(f"{name} answered {without} to POST {path} without the token: its admin calls are open")
+            elif with_token is not None and with_token != accepted:
+                problems.append(f"{name} answered {with_token} to POST {path} with the token (it uses another one?)")
+            else:
+                passed.append(name)
+    if problems:
+        return Check("admin calls", "fail", "; ".join(problems))
+    if not passed:
+        return Check("admin calls", "warn", "no service answered (cache-manager, llama)")
+    how = "refused without the token (401)" + (", accepted with it" if token else "")
+    return Check("admin calls", "pass", f"{', '.join(passed)}: {how}")
+
+
 def _guarded(name: str, check: Callable[[], Check]) -> Check:
     """One broken check must not hide the others."""
     try:
@@ -270,6 +386,13 @@ def run_checks(settings: OpsSettings, model: Path | None) -> list[Check]:
         checks += check_services(settings)
     except Exception as exc:
         checks.append(Check("services", "fail", f"{type(exc).__name__}: {exc}"))
+    try:
+        if (supervised := check_supervisor()) is not None:
+            checks.append(supervised)
+    except Exception as exc:
+        checks.append(Check("supervisor", "fail", f"{type(exc).__name__}: {exc}"))
+    checks.append(_guarded("admin token", check_admin_token))
+    checks.append(_guarded("admin calls", lambda: check_admin_calls(settings)))
     return checks
 
 

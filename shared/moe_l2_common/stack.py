@@ -1,6 +1,12 @@
 """`moe-l2 up`: the whole stack as local processes, configured like compose.yaml.
 
-The list of services lives in `stack_services`; a new service adds one builder there.
+The list of services lives in `stack_services`; a new service adds one builder there. A service
+that dies is restarted (moe_l2_common.supervisor); Redis, llama and the gateway are required: when
+one of them is in a crash loop the stack stops with an error, while without the predictor or the
+cache-manager it keeps serving, degraded (keyword domains, no hot sets).
+
+The admin token (moe_l2_common.admin) is MOE_L2_ADMIN_TOKEN (or the file MOE_L2_ADMIN_TOKEN_FILE
+names) when set, else `<state dir>/admin-token`, created at the first start; every service gets it.
 """
 
 from __future__ import annotations
@@ -16,7 +22,23 @@ from types import FrameType
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from moe_l2_common.supervisor import ServiceSpec, Supervisor, SupervisorError, http_ok, port_in_use, tcp_open
+from moe_l2_common.admin import (
+    ADMIN_TOKEN_ENV,
+    ADMIN_TOKEN_FILENAME,
+    AdminTokenError,
+    configured_token,
+    ensure_token_file,
+)
+from moe_l2_common.supervisor import (
+    STATE_FILENAME,
+    RestartPolicy,
+    ServiceSpec,
+    Supervisor,
+    SupervisorError,
+    http_ok,
+    port_in_use,
+    tcp_open,
+)
 
 
 class StackSettings(BaseSettings):
@@ -36,6 +58,36 @@ class StackSettings(BaseSettings):
     proxy_port: int = Field(default=11435, ge=1, le=65535)
     demo_seed: int = 0
     start_timeout_s: float = Field(default=180.0, gt=0)
+    # restarts of a service that dies (see moe_l2_common.supervisor.RestartPolicy)
+    restart_delay_s: float = Field(default=0.5, ge=0, description="delay of the first restart; doubles each time")
+    restart_max_delay_s: float = Field(default=30.0, ge=0)
+    restart_reset_s: float = Field(default=60.0, ge=0, description="healthy this long: the backoff starts over")
+    restart_max_failures: int = Field(default=5, ge=1, description="failures within the window that stop restarts")
+    restart_window_s: float = Field(default=300.0, gt=0)
+
+    def restart_policy(self) -> RestartPolicy:
+        return RestartPolicy(
+            delay_s=self.restart_delay_s,
+            max_delay_s=max(self.restart_max_delay_s, self.restart_delay_s),
+            reset_after_s=self.restart_reset_s,
+            max_failures=self.restart_max_failures,
+            window_s=self.restart_window_s,
+        )
+
+    @property
+    def state_file(self) -> Path:
+        """What the supervisor of `moe-l2 up` writes: every service's state, pid and restarts."""
+        return self.state_dir / STATE_FILENAME
+
+    @property
+    def admin_token_file(self) -> Path:
+        return self.state_dir / ADMIN_TOKEN_FILENAME
+
+
+def stack_admin_token(settings: StackSettings) -> str:
+    """MOE_L2_ADMIN_TOKEN (or MOE_L2_ADMIN_TOKEN_FILE) if set, else the state folder's token file,
+    created (mode 0600) at the first start and the same at every later one."""
+    return configured_token() or ensure_token_file(settings.admin_token_file)
 
 
 def redis_server_binary() -> str:
@@ -58,6 +110,10 @@ def redis_service(settings: StackSettings) -> ServiceSpec:
         "--port", str(settings.redis_port),
         "--dir", str(data_dir),
         "--appendonly", "yes",
+        # fsync before every reply: counts Redis acknowledged survive a kill -9 or a power cut. With
+        # everysec, a write postponed behind a slow background fsync is acknowledged yet lost to a
+        # kill; the flywheel writes once per pull, so `always` costs nothing that matters.
+        "--appendfsync", "always",
         "--save", "",
         "--daemonize", "no",
     ]  # fmt: skip
@@ -70,13 +126,12 @@ def redis_service(settings: StackSettings) -> ServiceSpec:
     )
 
 
-def llama_service(settings: StackSettings, model: Path, binary: Path) -> ServiceSpec:
+def llama_service(settings: StackSettings, model: Path, binary: Path, admin_token: str = "") -> ServiceSpec:
     from moe_l2_llama.service import llama_service_spec
     from moe_l2_llama.settings import LlamaSettings
 
-    return llama_service_spec(
-        "llama", binary, model, LlamaSettings(), url_path="/v1", start_timeout_s=settings.start_timeout_s
-    )
+    llama = LlamaSettings(admin_token=admin_token) if admin_token else LlamaSettings()
+    return llama_service_spec("llama", binary, model, llama, url_path="/v1", start_timeout_s=settings.start_timeout_s)
 
 
 def resolve_model(settings: StackSettings, model: Path | None) -> Path:
@@ -94,7 +149,9 @@ def resolve_model(settings: StackSettings, model: Path | None) -> Path:
     return demo
 
 
-def python_service(name: str, module: str, port: int, env: dict[str, str] | None = None) -> ServiceSpec:
+def python_service(
+    name: str, module: str, port: int, env: dict[str, str] | None = None, *, required: bool = True
+) -> ServiceSpec:
     """A moe-l2 Python service run as `python -m module`, healthy when GET /healthz answers 200."""
     base = f"http://127.0.0.1:{port}"
     return ServiceSpec(
@@ -103,6 +160,7 @@ def python_service(name: str, module: str, port: int, env: dict[str, str] | None
         env=env or {},
         health=http_ok(f"{base}/healthz"),
         url=base,
+        required=required,
     )
 
 
@@ -116,6 +174,8 @@ def cache_manager_service(settings: StackSettings, model: Path) -> ServiceSpec:
             "MOE_L2_REDIS_URL": f"redis://{settings.redis_host}:{settings.redis_port}/0",
             "MOE_L2_LLAMA_URL": f"http://127.0.0.1:{settings.llama_port}",
         },
+        # the gateway serves without it: no hints, no hot sets, until it is back
+        required=False,
     )
 
 
@@ -125,18 +185,23 @@ def proxy_service(settings: StackSettings, predictor_urls: str) -> ServiceSpec:
     return python_service("proxy", "moe_l2_proxy", settings.proxy_port, {"MOE_L2_PREDICTOR_URLS": urls})
 
 
-def stack_services(settings: StackSettings, model: Path, binary: Path) -> list[ServiceSpec]:
-    """The services of the local stack, in start order; the gateway last, once its upstreams answer."""
+def stack_services(settings: StackSettings, model: Path, binary: Path, admin_token: str = "") -> list[ServiceSpec]:
+    """The services of the local stack, in start order; the gateway last, once its upstreams answer.
+    Each gets `admin_token` (MOE_L2_ADMIN_TOKEN; llama's LLAMA_MOE_ADMIN_TOKEN) when one is given."""
     # imported here: moe_l2_predictor.stack builds on this module's python_service()
     from moe_l2_predictor.stack import predictor_services, predictor_urls
 
-    return [
+    services = [
         redis_service(settings),
-        llama_service(settings, model, binary),
+        llama_service(settings, model, binary, admin_token),
         cache_manager_service(settings, model),
         *predictor_services(),  # MOE_L2_PREDICTOR_REPLICAS processes
         proxy_service(settings, predictor_urls()),
     ]
+    if admin_token:
+        for spec in services:
+            spec.env[ADMIN_TOKEN_ENV] = admin_token
+    return services
 
 
 def check_ports(services: list[ServiceSpec]) -> None:
@@ -180,11 +245,14 @@ def main(argv: list[str] | None = None) -> int:
     # Explicit for SIGINT too: a shell starting us in the background leaves SIGINT ignored.
     signal.signal(signal.SIGINT, _raise_interrupt)
     signal.signal(signal.SIGTERM, _raise_interrupt)
-    supervisor = Supervisor(settings.state_dir / "logs")
+    supervisor = Supervisor(
+        settings.state_dir / "logs", policy=settings.restart_policy(), state_path=settings.state_file
+    )
     try:
         binary = llama_server_binary(LlamaSettings())
         model = resolve_model(settings, Path(args.model) if args.model else None)
-        services = stack_services(settings, model, binary)
+        admin_token = stack_admin_token(settings)
+        services = stack_services(settings, model, binary, admin_token)
         check_ports(services)
         for spec in services:
             print(f"starting {spec.name} ...", file=sys.stderr, flush=True)
@@ -192,13 +260,17 @@ def main(argv: list[str] | None = None) -> int:
         print("\nmoe-l2 is up:", flush=True)
         for spec in services:
             print(f"  {spec.name:<14} {spec.url}", flush=True)
-        print(f"  model          {model}\n  logs           {supervisor.log_dir}\nCtrl-C stops everything.", flush=True)
+        print(f"  model          {model}\n  logs           {supervisor.log_dir}", flush=True)
+        print(f"  state          {settings.state_file}", flush=True)
+        if not configured_token():
+            print(f"  admin token    {settings.admin_token_file}", flush=True)
+        print("Ctrl-C stops everything.", flush=True)
         supervisor.watch()
     except KeyboardInterrupt:
         print("\nstopping ...", file=sys.stderr, flush=True)
         supervisor.stop()
         return 0
-    except (SupervisorError, BuildError, DemoModelError) as exc:
+    except (SupervisorError, BuildError, DemoModelError, AdminTokenError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         supervisor.stop()
         return 1

@@ -2,7 +2,8 @@
 
 Requests, domain mix, expert hot-set hit rate, pool residency against its budget, the active domain
 and hot-set sizes, tokens/s. Every figure comes from the same Prometheus series the dashboard shows,
-so the terminal and Grafana never disagree.
+so the terminal and Grafana never disagree. Under `moe-l2 up`, the restarts of each service come
+from the supervisor's state file (moe_l2_common.supervisor).
 """
 
 from __future__ import annotations
@@ -176,6 +177,29 @@ def summarize(scraped: dict[str, Samples | None]) -> dict[str, Any]:
     }
 
 
+def supervisor_summary(state: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Per service: state, restarts, the last failure; None unless a `moe-l2 up` is running."""
+    if not state or not state.get("live"):
+        return None
+    return {
+        name: {
+            "state": svc.get("state"),
+            "restarts": svc.get("restarts", 0),
+            "pid": svc.get("pid"),
+            "last_failure": svc.get("last_failure"),
+            "last_recovery_s": svc.get("last_recovery_s"),
+        }
+        for name, svc in state["services"].items()
+    }
+
+
+def read_supervisor() -> dict[str, Any] | None:
+    from moe_l2_common.stack import StackSettings
+    from moe_l2_common.supervisor import read_state
+
+    return supervisor_summary(read_state(StackSettings().state_file))
+
+
 def throughput(previous: dict[str, Any], current: dict[str, Any], elapsed_s: float) -> float | None:
     """Generated tokens per second between two screens (llama's counter)."""
     before, after = previous["tokens"]["llama_predicted_total"], current["tokens"]["llama_predicted_total"]
@@ -228,7 +252,21 @@ def render(stats: dict[str, Any]) -> str:
         f"tokens      prompt {_num(tok['prompt'])}, completion {_num(tok['completion'])}"
         + (f"; generated {tok['tokens_per_s']:g} tokens/s now" if tok["tokens_per_s"] is not None else ""),
     ]
+    if supervised := stats.get("supervisor"):
+        lines.append(f"restarts    {render_restarts(supervised)}")
     return "\n".join(lines)
+
+
+def render_restarts(supervised: dict[str, Any]) -> str:
+    parts = []
+    for name, svc in supervised.items():
+        text = f"{name} {svc['restarts']}"
+        if svc["state"] != "running":
+            text += f" {str(svc['state']).upper()}"
+        if svc["restarts"] or svc["state"] != "running":
+            text += f" (last: {svc['last_failure'] or '-'})"
+        parts.append(text)
+    return ", ".join(parts)
 
 
 @dataclass
@@ -241,6 +279,7 @@ def take(settings: OpsSettings, previous: Screen | None) -> Screen:
     problems: dict[str, str] = {}
     screen = Screen(summarize(scrape(settings, problems)), time.monotonic())
     screen.stats["problems"] = problems
+    screen.stats["supervisor"] = read_supervisor()
     if previous is not None:
         screen.stats["tokens"]["tokens_per_s"] = throughput(previous.stats, screen.stats, screen.at - previous.at)
     return screen

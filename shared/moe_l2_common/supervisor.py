@@ -1,28 +1,50 @@
-"""Run a set of services as child processes: start in order, wait for health, stop cleanly.
+"""Run a set of services as child processes: start in order, wait for health, restart the dead, stop cleanly.
 
 `moe-l2 up` and the integration tests both use this, so what the tests exercise is what users run.
+
+The first start is strict: a service that dies or is not healthy in time stops everything, since
+that is a configuration problem to show at once. Once the stack is up, `watch()` behaves like
+systemd's `Restart=on-failure` (compose's `restart: unless-stopped`): a service that dies is
+started again after a backoff (doubling from `RestartPolicy.delay_s` up to `max_delay_s`, back to
+the first delay once it has run healthy for `reset_after_s`), health-checked like the first start,
+while the others keep serving. `max_failures` failures within `window_s` are a crash loop: that
+service's restarts stop with one line; a `required` service (the stack cannot serve without it)
+then stops the whole stack, any other one leaves the stack serving without it (degraded).
+
+One loop in the main thread drives every service through a small state machine, and health probes
+run on a thread pool, so a service being restarted never delays noticing that another one died, and
+Ctrl-C (KeyboardInterrupt in the main thread) stops everything at any moment, restarts included.
+
+The supervisor writes its view to a small JSON state file (`state_path`) at every change, for
+`moe-l2 stats` and `moe-l2 doctor`; `read_state()` reads it back.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any, Literal
 
 import httpx
 
 HealthCheck = Callable[[], bool]
+State = Literal["starting", "running", "backoff", "failed", "stopped"]
+STATE_FILENAME = "services.json"
+STATE_VERSION = 1
 
 
 class SupervisorError(Exception):
-    """A service failed to start or died; the message is meant for the user."""
+    """A service failed to start or died for good; the message is meant for the user."""
 
 
 @dataclass
@@ -33,6 +55,20 @@ class ServiceSpec:
     url: str  # what users are told to point at
     env: dict[str, str] = field(default_factory=dict)
     start_timeout_s: float = 120.0
+    # False: the stack keeps serving (degraded) when this service's restarts are given up
+    required: bool = True
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When a dead service is started again, and when its restarts are given up."""
+
+    delay_s: float = 0.5  # the first restart's delay; doubles at each failure
+    max_delay_s: float = 30.0
+    reset_after_s: float = 60.0  # healthy this long: the next failure starts again from delay_s
+    max_failures: int = 5  # this many failures within window_s is a crash loop
+    window_s: float = 300.0
+    probe_interval_s: float = 0.2  # between two health probes of a starting service
 
 
 def http_ok(url: str, timeout_s: float = 2.0) -> HealthCheck:
@@ -66,12 +102,35 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with status {returncode}"
+
+
 @dataclass
 class RunningService:
     spec: ServiceSpec
     proc: subprocess.Popen[bytes]
     log_path: Path
     log_file: IO[bytes]
+    state: State = "starting"
+    restarts: int = 0
+    started_at: float = field(default_factory=time.monotonic)  # of the current process
+    healthy_at: float | None = None
+    deadline: float = 0.0  # a starting process must be healthy by then
+    died_at: float | None = None  # when the failure that the current restart repairs was seen
+    last_exit: int | None = None
+    last_failure: str | None = None
+    last_recovery_s: float | None = None  # from that failure to healthy again
+    next_start_at: float = 0.0
+    delay_s: float = 0.0
+    failures: deque[float] = field(default_factory=deque)
+    probe: Future[bool] | None = None
+    probed_at: float = 0.0
 
     def tail(self, n: int = 15) -> list[str]:
         self.log_file.flush()
@@ -81,36 +140,83 @@ class RunningService:
             return []
         return lines[-n:]
 
+    def snapshot(self) -> dict[str, Any]:
+        now_mono, now = time.monotonic(), time.time()
+
+        def wall(mono: float | None) -> float | None:
+            return None if mono is None else round(now - (now_mono - mono), 3)
+
+        alive = self.state in ("starting", "running")
+        return {
+            "state": self.state,
+            "pid": self.proc.pid if alive else None,
+            "restarts": self.restarts,
+            "required": self.spec.required,
+            "url": self.spec.url,
+            "log": str(self.log_path),
+            "started_at": wall(self.started_at) if alive else None,
+            "healthy_since": wall(self.healthy_at) if self.state == "running" else None,
+            "last_exit": self.last_exit,
+            "last_failure": self.last_failure,
+            "last_failure_at": wall(self.died_at),
+            "last_recovery_s": None if self.last_recovery_s is None else round(self.last_recovery_s, 3),
+            "next_start_at": wall(self.next_start_at) if self.state == "backoff" else None,
+            "failures_in_window": len(self.failures),
+        }
+
 
 class Supervisor:
-    """Starts services in order; any failure stops everything that was started."""
+    """Starts services in order, restarts those that die (see the module's docstring), stops them all."""
 
-    def __init__(self, log_dir: Path, echo: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        log_dir: Path,
+        echo: Callable[[str], None] | None = None,
+        *,
+        policy: RestartPolicy | None = None,
+        state_path: Path | None = None,
+    ) -> None:
         self.log_dir = log_dir
         self.running: list[RunningService] = []
-        self.echo = echo or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.echo = echo if echo is not None else (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.policy = policy or RestartPolicy()
+        self.state_path = state_path
+        self._started_at = time.time()
+        self._probes: ThreadPoolExecutor | None = None
+
+    # -- the first start -----------------------------------------------------------------------------
 
     def start(self, spec: ServiceSpec) -> RunningService:
+        """Starts one service and waits until it is healthy; raises SupervisorError if it is not."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{spec.name}.log"
         log_file = log_path.open("ab")
+        try:
+            proc = self._spawn(spec, log_file)
+        except SupervisorError:
+            log_file.close()
+            raise
+        service = RunningService(spec, proc, log_path, log_file, delay_s=self.policy.delay_s)
+        service.deadline = service.started_at + spec.start_timeout_s
+        self.running.append(service)
+        self._write_state()
+        self._wait_healthy(service)
+        service.state, service.healthy_at = "running", time.monotonic()
+        self._write_state()
+        return service
+
+    def _spawn(self, spec: ServiceSpec, log_file: IO[bytes]) -> subprocess.Popen[bytes]:
         env = {**os.environ, **spec.env}
         try:
             # A new process group: Ctrl-C in the terminal reaches us, and we stop children in order.
-            proc = subprocess.Popen(
+            return subprocess.Popen(
                 spec.argv, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
         except OSError as exc:
-            log_file.close()
             raise SupervisorError(f"{spec.name}: cannot start {spec.argv[0]}: {exc.strerror}") from exc
-        service = RunningService(spec, proc, log_path, log_file)
-        self.running.append(service)
-        self._wait_healthy(service)
-        return service
 
     def _wait_healthy(self, service: RunningService) -> None:
-        deadline = time.monotonic() + service.spec.start_timeout_s
-        while time.monotonic() < deadline:
+        while time.monotonic() < service.deadline:
             if service.proc.poll() is not None:
                 raise SupervisorError(self._died_message(service))
             if service.spec.health():
@@ -122,27 +228,192 @@ class Supervisor:
 
     def _died_message(self, service: RunningService) -> str:
         tail = "\n".join(f"    {line}" for line in service.tail())
-        return f"{service.spec.name} exited with status {service.proc.returncode}; log: {service.log_path}\n{tail}"
+        return (
+            f"{service.spec.name} {describe_exit(service.proc.returncode)}; log: {service.log_path}\n{tail}"
+        ).rstrip()
 
-    def watch(self, poll_s: float = 0.5) -> None:
-        """Blocks until a service dies (raises) or a signal arrives."""
+    # -- watching and restarting -----------------------------------------------------------------------
+
+    def watch(self, poll_s: float = 0.2) -> None:
+        """Restarts services that die until a signal arrives (KeyboardInterrupt) or a required
+        service's restarts are given up (SupervisorError)."""
         while True:
-            for service in self.running:
-                if service.proc.poll() is not None:
-                    raise SupervisorError(self._died_message(service))
+            self.step()
             time.sleep(poll_s)
+
+    def step(self) -> None:
+        """One pass over every service: notice deaths, start due restarts, collect health probes."""
+        now = time.monotonic()
+        for service in self.running:
+            if service.state in ("starting", "running"):
+                returncode = service.proc.poll()
+                if returncode is not None:
+                    self._kill_group(service)  # whatever it left behind must not hold its port
+                    service.last_exit = returncode
+                    self._failed(service, describe_exit(returncode), now)
+                    continue
+            if service.state == "starting":
+                self._check_starting(service, now)
+            elif service.state == "backoff" and now >= service.next_start_at:
+                self._restart(service, now)
+
+    def _check_starting(self, service: RunningService, now: float) -> None:
+        probe = service.probe
+        if probe is not None and probe.done():
+            service.probe = None
+            if not probe.exception() and probe.result():
+                service.state, service.healthy_at = "running", now
+                if service.died_at is not None:
+                    service.last_recovery_s = now - service.died_at
+                    self.echo(
+                        f"{service.spec.name} is back (restart {service.restarts}, "
+                        f"healthy {service.last_recovery_s:.1f}s after it failed)"
+                    )
+                self._write_state()
+                return
+        if now >= service.deadline:
+            if service.probe is not None:
+                service.probe.cancel()
+                service.probe = None
+            self._terminate(service, timeout_s=5.0)
+            service.last_exit = service.proc.returncode
+            self._failed(service, f"was not healthy {service.spec.start_timeout_s:g}s after its start", now)
+            return
+        if service.probe is None and now - service.probed_at >= self.policy.probe_interval_s:
+            service.probed_at = now
+            service.probe = self._probe_pool().submit(service.spec.health)
+
+    def _failed(self, service: RunningService, why: str, now: float) -> None:
+        """The service's process is gone (`why`): schedule its restart, or give it up."""
+        policy = self.policy
+        if (
+            service.state == "running"
+            and service.healthy_at is not None
+            and now - service.healthy_at >= policy.reset_after_s
+        ):
+            service.delay_s = policy.delay_s  # it had recovered: this is a new incident, not the same loop
+        service.healthy_at = None
+        service.died_at = now
+        service.last_failure = why
+        service.failures.append(now)
+        while service.failures and now - service.failures[0] > policy.window_s:
+            service.failures.popleft()
+        name = service.spec.name
+        if len(service.failures) >= policy.max_failures:
+            service.state = "failed"
+            self._write_state()
+            loop = f"{len(service.failures)} failures within {policy.window_s:.0f}s"
+            if service.spec.required:
+                tail = "\n".join(f"    {line}" for line in service.tail())
+                raise SupervisorError(
+                    f"{name} {why}: {loop}, a crash loop; the stack cannot serve without {name}, "
+                    f"so it stops; log: {service.log_path}\n{tail}".rstrip()
+                )
+            self.echo(
+                f"{name} {why}: {loop}, a crash loop; not restarting it, the stack keeps serving "
+                f"without it (degraded); log: {service.log_path}"
+            )
+            return
+        delay = service.delay_s
+        service.delay_s = min(delay * 2, policy.max_delay_s)
+        service.state, service.next_start_at = "backoff", now + delay
+        self.echo(f"{name} {why}; restarting it in {delay:.1f}s (restart {service.restarts + 1})")
+        self._write_state()
+
+    def _restart(self, service: RunningService, now: float) -> None:
+        service.restarts += 1
+        marker = f"\n---- moe-l2: restart {service.restarts} of {service.spec.name} ({service.last_failure}) ----\n"
+        service.log_file.write(marker.encode())
+        service.log_file.flush()
+        try:
+            service.proc = self._spawn(service.spec, service.log_file)
+        except SupervisorError as exc:
+            self._failed(service, f"cannot be started again ({exc})", now)
+            return
+        service.state, service.started_at = "starting", now
+        service.deadline = now + service.spec.start_timeout_s
+        service.probe, service.probed_at = None, 0.0
+        self._write_state()
+
+    def _probe_pool(self) -> ThreadPoolExecutor:
+        if self._probes is None:
+            # one probe per starting service at most: a hung health check never delays another's
+            self._probes = ThreadPoolExecutor(max_workers=max(2, len(self.running)), thread_name_prefix="health")
+        return self._probes
+
+    # -- stopping ------------------------------------------------------------------------------------
+
+    def _terminate(self, service: RunningService, timeout_s: float) -> None:
+        """SIGTERM, then SIGKILL after timeout_s; then nothing of its process group is left."""
+        proc = service.proc
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.echo(f"{service.spec.name} did not stop in {timeout_s:.0f}s; killing it")
+                proc.kill()
+                proc.wait()
+        self._kill_group(service)
+
+    @staticmethod
+    def _kill_group(service: RunningService) -> None:
+        try:
+            os.killpg(service.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass  # the group is empty: nothing left behind
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """Stops services in reverse start order: SIGTERM, then SIGKILL after timeout_s."""
+        if self._probes is not None:
+            self._probes.shutdown(wait=False, cancel_futures=True)
+            self._probes = None
         for service in reversed(self.running):
-            proc = service.proc
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=timeout_s)
-                except subprocess.TimeoutExpired:
-                    self.echo(f"{service.spec.name} did not stop in {timeout_s:.0f}s; killing it")
-                    proc.kill()
-                    proc.wait()
+            if service.state in ("starting", "running"):
+                self._terminate(service, timeout_s)
+            service.state = "stopped"
             service.log_file.close()
+        self._write_state()
         self.running.clear()
+
+    # -- the state file --------------------------------------------------------------------------------
+
+    def _write_state(self) -> None:
+        if self.state_path is None:
+            return
+        doc = {
+            "version": STATE_VERSION,
+            "pid": os.getpid(),
+            "started_at": self._started_at,
+            "updated_at": time.time(),
+            "services": {s.spec.name: s.snapshot() for s in self.running},
+        }
+        try:
+            self.state_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.state_path.with_name(f".{self.state_path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(doc, indent=2) + "\n")
+            tmp.replace(self.state_path)  # readers never see half a file
+        except OSError as exc:
+            self.echo(f"cannot write the supervisor state file {self.state_path}: {exc}")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def read_state(path: Path) -> dict[str, Any] | None:
+    """The supervisor's state file, with `live` added (its `moe-l2 up` still runs); None if absent or unreadable."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or not isinstance(doc.get("services"), dict):
+        return None
+    doc["live"] = isinstance(doc.get("pid"), int) and _pid_alive(doc["pid"])
+    return doc

@@ -3,7 +3,8 @@
 Replica i listens on MOE_L2_PREDICTOR_PORT + 100·i (11437, 11537, 11637, ...), clear of the other
 services' ports; `predictor_urls()` is the matching MOE_L2_PREDICTOR_URLS for the gateway. The
 first start fits the models once (the others wait on the cache's file lock), hence the longer
-start timeout.
+start timeout. The stack keeps serving without the predictor (the gateway falls back to its keyword
+tier), so a replica in a crash loop is given up without stopping the others.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def predictor_services() -> list[ServiceSpec]:
     specs = []
     for i, port in enumerate(ports):
         name = "predictor" if len(ports) == 1 else f"predictor-{i + 1}"
-        spec = python_service(name, "moe_l2_predictor", port, {"MOE_L2_PREDICTOR_PORT": str(port)})
+        spec = python_service(name, "moe_l2_predictor", port, {"MOE_L2_PREDICTOR_PORT": str(port)}, required=False)
         spec.start_timeout_s = START_TIMEOUT_S
         specs.append(spec)
     return specs
