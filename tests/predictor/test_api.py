@@ -14,6 +14,7 @@ from fastapi.testclient import TestClient
 from moe_l2_common.schemas.predict import PredictBatchResponse, PredictResponse
 from moe_l2_predictor.app import create_app
 from moe_l2_predictor.settings import PredictorSettings
+from tests.fuzz.schema_refs import request_validator, unresolved
 
 pytestmark = pytest.mark.slow
 
@@ -162,3 +163,16 @@ def test_bad_requests_are_counted(client: TestClient) -> None:
     client.post("/v1/predict", content=b"{", headers={"content-type": "application/json"})
     text = client.get("/metrics").text
     assert metric(text, "moe_l2_predictor_requests_total", endpoint="/v1/predict", status="400") >= 1
+
+
+def test_every_openapi_reference_resolves(make_predictor, predictor_cache) -> None:
+    settings = PredictorSettings(cache_dir=predictor_cache, tiers="keyword")
+    with TestClient(create_app(settings, predictor=make_predictor("keyword"))) as c:
+        doc = c.get("/openapi.json").json()
+    assert unresolved(doc) == []
+    predict = request_validator(doc, "/v1/predict")
+    assert predict.is_valid({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]})
+    assert not predict.is_valid({"text": "a", "unknown": 1})
+    batch = request_validator(doc, "/v1/predict/batch")
+    assert batch.is_valid({"items": [{"text": "a"}, {"messages": [{"role": "user", "content": "hi"}]}]})
+    assert not batch.is_valid({"items": [{"messages": [{"content": "no role"}]}]})

@@ -10,9 +10,12 @@ from typing import Any, TypeVar
 
 import anyio
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
+from pydantic.json_schema import models_json_schema
+from starlette.requests import ClientDisconnect
 
 from moe_l2_common.schemas.predict import (
     PredictBatchRequest,
@@ -28,6 +31,9 @@ from moe_l2_predictor.settings import PredictorSettings
 log = logging.getLogger("moe_l2_predictor")
 
 Model = TypeVar("Model", bound=BaseModel)
+
+# nginx's "client closed request": the client left before its answer, nobody reads this status
+CLIENT_CLOSED = 499
 
 
 class BadRequest(Exception):
@@ -81,6 +87,26 @@ def record(metrics: PredictorMetrics, outcomes: list[Outcome], total_s: float) -
         metrics.confidence.observe(outcome.response.confidence)
 
 
+def request_body(model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI request body of a route that reads its body itself (to bound its size first)."""
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def openapi_document(app: FastAPI, request_models: list[type[BaseModel]]) -> dict[str, Any]:
+    """FastAPI's document plus the schemas of the request bodies, as components: each `$ref`
+    resolves inside the document (a model's own JSON schema keeps its parts under a `$defs` of
+    its own, which a `#/$defs/...` reference inside the document cannot reach)."""
+    doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    _, defs = models_json_schema(
+        [(m, "validation") for m in request_models], ref_template="#/components/schemas/{model}"
+    )
+    components = doc.setdefault("components", {}).setdefault("schemas", {})
+    for name, schema in defs.get("$defs", {}).items():
+        components.setdefault(name, schema)
+    return doc
+
+
 def create_app(settings: PredictorSettings | None = None, predictor: Predictor | None = None) -> FastAPI:
     """The app; the predictor is built in the lifespan (loading or fitting its models) unless given."""
     settings = settings or PredictorSettings()
@@ -116,16 +142,15 @@ def create_app(settings: PredictorSettings | None = None, predictor: Predictor |
         except BadRequest as exc:
             metrics.requests.labels(endpoint, str(exc.status)).inc()
             return error(exc.status, exc.kind, exc.message, exc.details)
+        except ClientDisconnect:
+            # the client left while sending its body (a gateway whose budget ran out, a killed
+            # client): routine, not a server error, and there is no one to answer
+            metrics.requests.labels(endpoint, str(CLIENT_CLOSED)).inc()
+            return Response(status_code=CLIENT_CLOSED)
         metrics.requests.labels(endpoint, "200").inc()
         return response
 
-    @app.post(
-        "/v1/predict",
-        response_model=PredictResponse,
-        openapi_extra={
-            "requestBody": {"content": {"application/json": {"schema": PredictRequest.model_json_schema()}}}
-        },
-    )
+    @app.post("/v1/predict", response_model=PredictResponse, openapi_extra=request_body(PredictRequest))
     async def predict(request: Request) -> Response:
         async def work(raw: bytes) -> Response:
             body = parse(PredictRequest, raw)
@@ -138,13 +163,7 @@ def create_app(settings: PredictorSettings | None = None, predictor: Predictor |
 
         return await handle(request, "/v1/predict", work)
 
-    @app.post(
-        "/v1/predict/batch",
-        response_model=PredictBatchResponse,
-        openapi_extra={
-            "requestBody": {"content": {"application/json": {"schema": PredictBatchRequest.model_json_schema()}}}
-        },
-    )
+    @app.post("/v1/predict/batch", response_model=PredictBatchResponse, openapi_extra=request_body(PredictBatchRequest))
     async def predict_batch(request: Request) -> Response:
         async def work(raw: bytes) -> Response:
             body = parse(PredictBatchRequest, raw)
@@ -182,4 +201,10 @@ def create_app(settings: PredictorSettings | None = None, predictor: Predictor |
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = openapi_document(app, [PredictRequest, PredictBatchRequest])
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app

@@ -8,9 +8,11 @@ semantic model is skipped for that prompt, which keeps the usual latency at the 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -29,6 +31,15 @@ log = logging.getLogger("moe_l2_predictor")
 
 Timings = dict[str, float]  # tier -> seconds spent per prompt
 
+# An absolute path inside a message (a model folder, a taxonomy file): /healthz is for clients,
+# who are shown names and digests, never where things are on the host.
+_HOST_PATH = re.compile(r"(?<![\w.~:/])/[^\s'\"`,;:()\[\]{}]+")
+
+
+def without_paths(message: str) -> str:
+    """The message with every absolute path replaced by its last component."""
+    return _HOST_PATH.sub(lambda m: Path(m.group(0).rstrip("/")).name or "/", message)
+
 
 @dataclass
 class Outcome:
@@ -46,8 +57,11 @@ class Predictor:
         encoder: Encoder | None = None,
         early_exit: float = 0.9,
         unavailable: dict[str, str] | None = None,
+        taxonomy_name: str | None = None,
     ) -> None:
         self.taxonomy = taxonomy
+        # a name for /healthz: "shipped", or the replacement's file name (its path stays in the log)
+        self.taxonomy_name = taxonomy_name or Path(taxonomy.source).name
         self.names = taxonomy.names
         self.k = len(self.names)
         self.tiers = tiers
@@ -98,7 +112,8 @@ class Predictor:
                 calibration=calibration_set(taxonomy),
                 cross_validate=cross_validate,
             )
-        return cls(taxonomy, tiers, artefacts, encoder, settings.early_exit, unavailable)
+        name = settings.taxonomy_path.name if settings.taxonomy_path else "shipped"
+        return cls(taxonomy, tiers, artefacts, encoder, settings.early_exit, unavailable, taxonomy_name=name)
 
     @property
     def tier_label(self) -> str:
@@ -170,10 +185,12 @@ class Predictor:
         return [Outcome(self._response(final[i], langs[i]), ran[i], timings) for i in range(n)]
 
     def describe(self) -> dict[str, object]:
+        """What /healthz shows: names and digests, no host path."""
         return {
             "tiers": list(self.tiers),
-            "unavailable": self.unavailable,
-            "taxonomy": {"source": self.taxonomy.source, "digest": self.taxonomy.digest()[:16]},
+            "unavailable": {tier: without_paths(reason) for tier, reason in self.unavailable.items()},
+            "taxonomy": {"name": self.taxonomy_name, "digest": self.taxonomy.digest()[:16]},
+            "semantic_model": self.semantic.encoder.fingerprint if self.semantic is not None else None,
             "artefacts": self.artefacts.key or None,
             "early_exit": self.early_exit if "semantic" in self.tiers and len(self.tiers) > 1 else None,
         }
