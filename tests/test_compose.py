@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +30,9 @@ COMPOSE_CPU = ROOT / "compose.cpu.yaml"
 PROMETHEUS = ROOT / "services" / "prometheus" / "prometheus.yml"
 GRAFANA = ROOT / "services" / "grafana"
 
-SERVICES = {"proxy", "predictor", "cache-manager", "llama", "redis", "prometheus", "grafana"}
+# the one-shot admin-token runs before the others and exits (ONE_SHOT): no port, no healthcheck
+ONE_SHOT = {"admin-token"}
+SERVICES = {"proxy", "predictor", "cache-manager", "llama", "redis", "prometheus", "grafana"} | ONE_SHOT
 PORTS = {
     "proxy": 11435,
     "llama": 11436,
@@ -43,8 +46,12 @@ PUBLISHED = {"proxy": 11435, "grafana": 3000}
 PYTHON_SERVICES = {"proxy": "moe_l2_proxy", "predictor": "moe_l2_predictor", "cache-manager": "moe_l2_cache"}
 EXTRAS = {"proxy": "proxy", "predictor": "predictor", "cache-manager": "cache"}
 CUDA_ARCHITECTURES = {"61", "75", "86", "89", "90", "120"}
-# Redis has no /metrics of its own; every other service is scraped.
-SCRAPED = SERVICES - {"redis"}
+# Redis has no /metrics of its own; every other long-running service is scraped.
+SCRAPED = SERVICES - {"redis"} - ONE_SHOT
+# The services that hold the admin token (moe_l2_common.admin), and where the volume puts it.
+TOKEN_HOLDERS = {"proxy", "predictor", "cache-manager", "llama"}
+TOKEN_FILE = "/run/moe-l2/admin-token"
+SERVICE_UID = 10001  # every moe-l2 image's USER
 
 
 # --------------------------------------------------------------------------- loading
@@ -442,6 +449,46 @@ def check_llama_command(doc: dict[str, Any], model_path: str = "/models/model.gg
     assert env.get("LLAMA_MOE_TELEMETRY") == "1"
     assert env.get("GGML_OP_OFFLOAD_MIN_BATCH") == "1"
     assert "LLAMA_ARG_CPU_MOE" in env and "LLAMA_ARG_N_CPU_MOE" in env, "--cpu-moe/--n-cpu-moe are not set"
+    assert not flag_value(argv, "--alias", "-a").startswith("/"), "clients would see the model's path"
+    assert as_argv(llama.get("entrypoint"))[-1] == "llama-server", "the wrapper must exec llama-server"
+
+
+def check_domains(doc: dict[str, Any]) -> None:
+    """llama accepts exactly the domains the Python services accept (moe_l2_common.domains)."""
+    from moe_l2_common.domains import known_domains
+
+    services = doc["services"]
+    env = as_dict(services["llama"].get("environment"))
+    assert set(env.get("LLAMA_MOE_DOMAINS", "").split(",")) == set(known_domains(extra=()))
+    for name in ("proxy", "cache-manager", "llama"):
+        assert "MOE_L2_EXTRA_DOMAINS" in as_dict(services[name].get("environment")), f"{name}: no extra domains"
+
+
+def check_admin_token(doc: dict[str, Any]) -> None:
+    """The one-shot writes the token on a named volume before anyone starts; each holder reads it there."""
+    services = doc["services"]
+    init = services["admin-token"]
+    assert init.get("restart", "no") == "no", "a one-shot must not be restarted"
+    assert "build" in init and init["image"] == services["proxy"]["image"], "it runs the moe-l2 (proxy) image"
+    init_env = as_dict(init.get("environment"))
+    assert init_env.get("MOE_L2_ADMIN_TOKEN_FILE") == TOKEN_FILE
+    script = "\n".join(as_argv(init.get("command")))
+    assert "ensure_token_file" in script and f"os.chown(path, {SERVICE_UID}, {SERVICE_UID})" in script
+    token_dir = TOKEN_FILE.rsplit("/", 1)[0]
+    [writable] = [m for m in mounts(init) if m.target == token_dir]
+    assert writable.kind == "volume" and not writable.read_only and writable.source in (doc.get("volumes") or {})
+    for name in TOKEN_HOLDERS:
+        service = services[name]
+        found = [m for m in mounts(service) if m.target == token_dir]
+        assert found and found[0].source == writable.source, f"{name} does not mount the token volume"
+        assert found[0].read_only, f"{name} mounts the token volume writable"
+        env = as_dict(service.get("environment"))
+        assert env.get("MOE_L2_ADMIN_TOKEN_FILE") == TOKEN_FILE, f"{name} does not read the token file"
+        assert (service.get("depends_on") or {}).get("admin-token", {}).get(
+            "condition"
+        ) == "service_completed_successfully", f"{name} may start before the token exists"
+    for name in set(services) - TOKEN_HOLDERS - ONE_SHOT:
+        assert not any(m.source == writable.source for m in mounts(services[name])), f"{name} needs no token"
 
 
 def check_cache_manager(doc: dict[str, Any]) -> None:
@@ -480,6 +527,8 @@ def check_models_mount(doc: dict[str, Any]) -> None:
 
 def check_healthchecks(doc: dict[str, Any]) -> None:
     for name, service in doc["services"].items():
+        if name in ONE_SHOT:
+            continue
         argv = healthcheck_argv(service)
         assert argv and argv[0] in ("CMD", "CMD-SHELL"), f"{name}: no healthcheck"
         assert not (service.get("healthcheck") or {}).get("disable"), f"{name}: healthcheck disabled"
@@ -711,6 +760,86 @@ def test_cache_manager(doc: dict[str, Any]) -> None:
     check_cache_manager(doc)
 
 
+def test_admin_token_wiring(doc: dict[str, Any], doc_cpu: dict[str, Any], raw: dict[str, Any]) -> None:
+    check_admin_token(doc)
+    check_admin_token(doc_cpu)
+    # MOE_L2_ADMIN_TOKEN set by the user reaches every holder (llama's as LLAMA_MOE_ADMIN_TOKEN)
+    given = interpolate(raw, {"MOE_L2_ADMIN_TOKEN": "from-the-user"})["services"]
+    for name in TOKEN_HOLDERS - {"llama"}:
+        assert as_dict(given[name]["environment"])["MOE_L2_ADMIN_TOKEN"] == "from-the-user", name
+    assert as_dict(given["llama"]["environment"])["LLAMA_MOE_ADMIN_TOKEN"] == "from-the-user"
+
+
+def test_domains_and_alias(doc: dict[str, Any], raw: dict[str, Any]) -> None:
+    check_domains(doc)
+    argv = as_argv(doc["services"]["llama"]["command"])
+    assert flag_value(argv, "--alias") == "moe-l2"
+    named = interpolate(raw, {"MOE_L2_MODEL_ALIAS": "qwen3-30b-a3b"})["services"]["llama"]
+    assert flag_value(as_argv(named["command"]), "--alias") == "qwen3-30b-a3b"
+
+
+def _run_llama_entrypoint(
+    doc: dict[str, Any], tmp_path: Path, extra_env: dict[str, str]
+) -> subprocess.CompletedProcess[str]:
+    """llama's entrypoint + command, run by a real sh with a stand-in llama-server that prints what it got."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    stand_in = bin_dir / "llama-server"
+    stand_in.write_text(
+        '#!/bin/sh\necho "token=$LLAMA_MOE_ADMIN_TOKEN"\necho "domains=$LLAMA_MOE_DOMAINS"\necho "args=$*"\n'
+    )
+    stand_in.chmod(0o755)
+    llama = doc["services"]["llama"]
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", **as_dict(llama.get("environment")), **extra_env}
+    argv = as_argv(llama["entrypoint"]) + as_argv(llama["command"])
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30)
+
+
+def test_llama_entrypoint_reads_the_token(doc: dict[str, Any], raw: dict[str, Any], tmp_path: Path) -> None:
+    if not shutil.which("sh"):
+        pytest.skip("no sh")
+    token_file = tmp_path / "admin-token"
+    token_file.write_text("s3cret-from-the-volume\n")
+    result = _run_llama_entrypoint(doc, tmp_path, {"MOE_L2_ADMIN_TOKEN_FILE": str(token_file)})
+    assert result.returncode == 0, result.stderr
+    out = dict(line.split("=", 1) for line in result.stdout.splitlines())
+    assert out["token"] == "s3cret-from-the-volume"
+    assert out["domains"] == as_dict(doc["services"]["llama"]["environment"])["LLAMA_MOE_DOMAINS"]
+    assert out["args"] == " ".join(as_argv(doc["services"]["llama"]["command"])), "arguments lost on the way"
+    assert "--alias moe-l2" in out["args"]
+
+    extra = _run_llama_entrypoint(
+        interpolate(raw, {"MOE_L2_EXTRA_DOMAINS": "legal,medical", "MOE_L2_ADMIN_TOKEN": "the-users"}),
+        tmp_path,
+        {"MOE_L2_ADMIN_TOKEN_FILE": str(token_file)},
+    )
+    out = dict(line.split("=", 1) for line in extra.stdout.splitlines())
+    assert out["token"] == "the-users", "MOE_L2_ADMIN_TOKEN must win over the file"
+    assert out["domains"].endswith(",legal,medical")
+
+    missing = _run_llama_entrypoint(doc, tmp_path, {"MOE_L2_ADMIN_TOKEN_FILE": str(tmp_path / "nope")})
+    assert missing.returncode != 0 and "token=" not in missing.stdout, "llama-server started without a token"
+
+
+def test_admin_token_init_creates_a_private_token_once(doc: dict[str, Any], tmp_path: Path) -> None:
+    """The one-shot's own command, run here as it runs in its container (as root)."""
+    if os.geteuid() != 0:
+        pytest.skip("the init container runs as root to hand the file to uid 10001")
+    init = doc["services"]["admin-token"]
+    token_file = tmp_path / "volume" / "admin-token"
+    env = {**os.environ, **as_dict(init.get("environment")), "MOE_L2_ADMIN_TOKEN_FILE": str(token_file)}
+    argv = [sys.executable if a == "python" else a for a in as_argv(init["command"])]
+    subprocess.run(argv, env=env, check=True, timeout=60)
+    token = token_file.read_text().strip()
+    st = token_file.stat()
+    assert len(token) == 64 and (st.st_mode & 0o777, st.st_uid, st.st_gid) == (0o600, SERVICE_UID, SERVICE_UID)
+    subprocess.run(argv, env=env, check=True, timeout=60)  # the next `docker compose up`
+    assert token_file.read_text().strip() == token, "the token changed at the second start"
+    for service in TOKEN_HOLDERS:
+        dockerfile = (ROOT / "services" / service / "Dockerfile").read_text()
+        assert f"USER {SERVICE_UID}:{SERVICE_UID}" in dockerfile, f"{service} would not own the token file"
+
+
 def test_model_folder_is_shared_read_only(doc: dict[str, Any]) -> None:
     check_models_mount(doc)
 
@@ -751,6 +880,7 @@ def test_variables_are_moe_l2_with_defaults() -> None:
 def test_dockerfiles(doc: dict[str, Any], doc_cpu: dict[str, Any]) -> None:
     built = [(name, *spec) for name, spec in built_services(doc).items()]
     built.append(("llama", *built_services(doc_cpu)["llama"]))
+    built = [b for b in built if b[0] not in ONE_SHOT]  # it runs the proxy's image (check_admin_token)
     assert {name for name, _, _ in built} == {"proxy", "predictor", "cache-manager", "llama"}
     for name, dockerfile, target in built:
         assert dockerfile.is_file(), f"{name}: {dockerfile} does not exist"
@@ -1013,6 +1143,35 @@ COMPOSE_MUTATIONS: dict[str, tuple[_Check, _Check]] = {
     "redis on a bind mount": (_edit("services", "redis", "volumes", value=["./redis:/data"]), check_redis),
     "redis unpinned": (_edit("services", "redis", "image", value="redis:latest"), check_images),
     "grafana untagged": (_edit("services", "grafana", "image", value="grafana/grafana"), check_images),
+    "llama without the token file": (
+        _edit("services", "llama", "environment", "MOE_L2_ADMIN_TOKEN_FILE"),
+        check_admin_token,
+    ),
+    "token volume writable": (
+        _edit("services", "cache-manager", "volumes", 1, value="admin-token:/run/moe-l2"),
+        check_admin_token,
+    ),
+    "proxy starts before the token exists": (
+        _edit("services", "proxy", "depends_on", "admin-token"),
+        check_admin_token,
+    ),
+    "token on a bind mount": (
+        _edit("services", "admin-token", "volumes", value=["./secrets:/run/moe-l2"]),
+        check_admin_token,
+    ),
+    "grafana gets the token": (
+        _edit("services", "grafana", "volumes", value=["admin-token:/run/moe-l2:ro"]),
+        check_admin_token,
+    ),
+    "llama shows the path": (
+        _edit("services", "llama", "command", -1, value="/models/model.gguf"),
+        check_llama_command,
+    ),
+    "llama without domains": (_edit("services", "llama", "environment", "LLAMA_MOE_DOMAINS"), check_domains),
+    "proxy without extra domains": (
+        _edit("services", "proxy", "environment", "MOE_L2_EXTRA_DOMAINS"),
+        check_domains,
+    ),
 }
 
 
