@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 
 import httpx
 import pytest
 
 from moe_l2_common.supervisor import free_port
+from moe_l2_proxy.errors import GatewayError
 from moe_l2_proxy.http1_transport import Http1Transport, request_message
+from moe_l2_proxy.metrics import GatewayMetrics
+from moe_l2_proxy.settings import ProxySettings
+from moe_l2_proxy.upstream import LlamaUpstream
 
 
 def client(url: str, **timeouts: float) -> httpx.AsyncClient:
@@ -156,3 +161,177 @@ def test_silence_mid_stream_is_read_timeout():
     script = [(0, HEAD), *((0, c) for c in chunked(b"data: 1\n\n"))]  # then nothing, connection open
     with pytest.raises(httpx.ReadTimeout):
         asyncio.run(stream_through(ScriptedServer(script), read_timeout=0.3))
+
+
+class PlannedServer:
+    """Connection i plays plans[i]: one script per request on it (steps: bytes to send, "close").
+    Notes the request targets each connection received."""
+
+    def __init__(self, plans: list[list[list[bytes | str]]]) -> None:
+        self.plans = plans
+        self.seen: list[list[str]] = []
+        self.writers: list[asyncio.StreamWriter] = []
+        self.tasks: list[asyncio.Task[None]] = []
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return self.server.sockets[0].getsockname()[1]
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.tasks.append(task)
+        self.writers.append(writer)
+        seen: list[str] = []
+        self.seen.append(seen)
+        plan = self.plans[len(self.seen) - 1] if len(self.seen) <= len(self.plans) else []
+        try:
+            for script in plan:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = re.search(rb"(?im)^content-length:\s*(\d+)", head)
+                if length:
+                    await reader.readexactly(int(length.group(1)))
+                seen.append(head.split(b" ", 2)[1].decode())
+                for step in script:
+                    if step == "close":
+                        return
+                    assert isinstance(step, bytes)
+                    writer.write(step)
+            await reader.read()  # until the client closes
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    async def stop(self) -> None:
+        for writer in self.writers:
+            writer.close()
+        if self.tasks:
+            await asyncio.wait(self.tasks, timeout=5)
+        assert self.server is not None
+        self.server.close()
+
+
+def sized(body: bytes) -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+
+
+def test_idle_connection_found_closed_is_retried_once_on_a_fresh_one():
+    # llama closed the idle connection as the second request went out: it never read it, no byte came back
+    server = PlannedServer([[[sized(b"first")], ["close"]], [[sized(b"second")]]])
+    retries = []
+
+    async def go():
+        port = await server.start()
+        transport = Http1Transport(on_retry=lambda: retries.append(1))
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", transport=transport) as c:
+                return (await c.get("/1")).text, (await c.get("/2")).text
+        finally:
+            await server.stop()
+
+    assert asyncio.run(go()) == ("first", "second")
+    assert server.seen == [["/1", "/2"], ["/2"]]
+    assert retries == [1]
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        [b"HTTP/1.1 200 OK\r\nContent-Le", "close"],  # part of the head
+        [b'HTTP/1.1 200 OK\r\nContent-Length: 50\r\n\r\n{"partial', "close"],  # part of the body
+        [b"HTTP/1.1 100 Continue\r\n\r\n", "close"],  # only an interim response
+    ],
+    ids=["mid-head", "mid-body", "after-100"],
+)
+def test_no_retry_once_any_response_byte_arrived(answer):
+    server = PlannedServer([[[sized(b"first")], answer], [[sized(b"must not be asked")]]])
+    retries = []
+
+    async def go():
+        port = await server.start()
+        transport = Http1Transport(on_retry=lambda: retries.append(1))
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", transport=transport) as c:
+                assert (await c.get("/1")).text == "first"
+                await c.post("/generate", content=b"{}")
+        finally:
+            await server.stop()
+
+    with pytest.raises(httpx.RemoteProtocolError):
+        asyncio.run(go())
+    assert server.seen == [["/1", "/generate"]]  # sent once
+    assert retries == []
+
+
+@pytest.mark.parametrize("reused", [False, True], ids=["fresh-connection", "reused-connection"])
+def test_blocking_generation_cut_midway_is_not_run_twice(reused):
+    """LlamaUpstream.send for a non-streaming request whose answer is cut short: an error, and llama
+    was asked once (a second run would be a second full generation)."""
+    cut = [b'HTTP/1.1 200 OK\r\nContent-Length: 80\r\n\r\n{"choices": [', "close"]
+    plans = [[[sized(b"{}")], cut]] if reused else [[cut]]
+    server = PlannedServer([*plans, [[sized(b'{"choices": []}')]]])
+
+    async def go():
+        port = await server.start()
+        settings = ProxySettings(llama_url=f"http://127.0.0.1:{port}")
+        upstream = LlamaUpstream(settings, GatewayMetrics())
+        try:
+            if reused:
+                await upstream.send("GET", "/health", headers={})
+            await upstream.send("POST", "/v1/chat/completions", headers={}, content=b"{}", stream=False)
+        finally:
+            await upstream.aclose()
+            await server.stop()
+
+    with pytest.raises(GatewayError) as failure:
+        asyncio.run(go())
+    assert failure.value.status == 502
+    assert [len(seen) for seen in server.seen] == ([2] if reused else [1])
+
+
+def test_forwarded_headers_leave_hop_by_hop_and_secrets_behind():
+    upstream = LlamaUpstream(ProxySettings(llama_url="http://127.0.0.1:1", llama_api_key="k"), GatewayMetrics())
+    client = [
+        ("host", "gateway:11435"),
+        ("content-type", "application/json"),
+        ("content-length", "12"),
+        ("expect", "100-continue"),
+        ("connection", "keep-alive, X-Private"),
+        ("Connection", "x-other"),
+        ("x-private", "hop"),
+        ("X-Other", "hop"),
+        ("keep-alive", "timeout=5"),
+        ("te", "trailers"),
+        ("trailer", "x-sum"),
+        ("transfer-encoding", "chunked"),
+        ("upgrade", "h2c"),
+        ("proxy-connection", "keep-alive"),
+        ("proxy-authorization", "Basic eA=="),
+        ("authorization", "Bearer the-client's"),
+        ("X-MoE-Admin-Token", "secret"),
+        ("x-moe-domain", "math"),
+        ("accept", "text/event-stream"),
+        ("x-request-id", "r1"),
+    ]
+    assert upstream.forward_headers(client, "codegen") == {
+        "content-type": "application/json",
+        "accept": "text/event-stream",
+        "x-request-id": "r1",
+        "authorization": "Bearer k",
+        "x-moe-domain": "codegen",
+    }
+
+
+def test_the_transport_never_sends_headers_it_owns():
+    message = request_message(
+        "POST",
+        "127.0.0.1",
+        8080,
+        "/v1/chat/completions",
+        {"Expect": "100-continue", "Connection": "close", "Transfer-Encoding": "chunked", "Upgrade": "h2c", "a": "b"},
+        b"{}",
+    )
+    head = message.split(b"\r\n\r\n", 1)[0].split(b"\r\n")
+    assert sorted(head[1:]) == [b"Content-Length: 2", b"a: b", b"host: 127.0.0.1:8080"]

@@ -8,6 +8,17 @@ and on a small machine the gateway's CPU is taken from llama. This transport kee
 is held back waiting for more.
 
 Scope: plain http:// to one trusted upstream (llama-server), HTTP/1.1, no proxies, no TLS.
+
+A pooled connection carries many clients' requests one after the other, so a byte read as the
+wrong response's is another client's data. The rules that keep answers apart:
+- interim 1xx responses (100 Continue, 103 Early Hints) are skipped: the final response is the answer;
+- a connection goes back to the pool only when the parser saw its response end, keep-alive, and
+  nothing after it; any byte after the end (or while idle) closes it, as does every response whose
+  framing is in doubt (Content-Length with Transfer-Encoding, no length: read until close, a
+  parser error, a body cut short);
+- a request is sent again only when a reused idle connection turned out closed before a single
+  response byte came back (llama closed it while idle); never once any byte of a response arrived.
+The edge cases are tested against httpx's own transport in tests/proxy/test_http1_edge_cases.py.
 """
 
 from __future__ import annotations
@@ -15,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import cast
 
 import httptools
@@ -23,6 +34,21 @@ import httpx
 
 # Pause reading from the socket while this much body is waiting for the consumer.
 _HIGH_WATER = 256 * 1024
+
+# Request headers this transport owns: it frames the body itself (the whole body, with its length),
+# keeps connections alive as it sees fit and never waits for 100 Continue, so a caller's say in
+# these would only mislead the upstream.
+_OWN_REQUEST_HEADERS = frozenset(
+    {b"transfer-encoding", b"connection", b"keep-alive", b"proxy-connection", b"te", b"upgrade", b"expect"}
+)
+
+
+class _AfterTheEnd(Exception):
+    """Raised from a parser callback to stop parsing bytes that came after the response's end."""
+
+
+class _DeadIdleConnection(Exception):
+    """A reused pooled connection was closed by the upstream before any byte of a response."""
 
 
 class _Connection(asyncio.Protocol):
@@ -36,15 +62,22 @@ class _Connection(asyncio.Protocol):
         # the read timeout: one timer re-armed lazily, not one created and cancelled per token
         self.deadline = 0.0
         self.timer: asyncio.TimerHandle | None = None
-        self._reset()
+        self._reset(False)
 
-    def _reset(self) -> None:
+    def _reset(self, head_only: bool) -> None:
         self.parser = httptools.HttpResponseParser(self)
+        # Content-Length with chunked is parsed as chunked (as httpx does) and the connection closed
+        # after it, instead of failing the request: see `on_headers_complete`.
+        self.parser.set_dangerous_leniencies(lenient_chunked_length=True)
+        self.head_only = head_only  # the answer to HEAD: headers only, whatever its length says
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
         self.head_done = False
+        self.interim = False
         self.complete = False
         self.keep_alive = True
+        self.until_close = False
+        self.received = False
         self.chunks: deque[bytes] = deque()
         self.buffered = 0
         self.paused = False
@@ -57,27 +90,70 @@ class _Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self.error = httpx.RemoteProtocolError(f"invalid HTTP response from upstream: {exc}")
+        self.received = True
+        if self.complete:
+            # After the end of the response, or while idle in the pool: whatever these bytes are, they
+            # are no answer to the next request, and the connection's framing can no longer be trusted.
             self.close()
+        else:
+            try:
+                self.parser.feed_data(data)
+            except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+                if not self.complete:
+                    self.error = httpx.RemoteProtocolError(f"invalid HTTP response from upstream: {exc}")
+                self.close()
         self._wake()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.until_close and not self.complete:
+            self.complete = True  # a response without a length ends with its connection
         self.closed = True
         self._wake()
 
     # httptools callbacks
+    def on_message_begin(self) -> None:
+        if self.complete:
+            raise _AfterTheEnd  # a second message in the bytes after the end: not this response's
+
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
+        status = self.parser.get_status_code()
+        if status < 200:
+            if status == 101:
+                raise httptools.HttpParserError("101 Switching Protocols, but no upgrade was asked for")
+            # Interim (100 Continue, 102, 103 Early Hints): the final response follows on this connection.
+            self.interim = True
+            self.headers = []
+            return
+        self.status = status
         self.keep_alive = self.parser.should_keep_alive()
+        if self.head_only or status == 204 or status == 304:
+            self.complete = True  # no body, whatever the headers say; a byte after this closes the connection
+        else:
+            self._check_framing()
         self.head_done = True
 
+    def _check_framing(self) -> None:
+        length = coding = None
+        for name, value in self.headers:
+            if len(name) == 14 and name.lower() == b"content-length":
+                length = value
+            elif len(name) == 17 and name.lower() == b"transfer-encoding":
+                coding = value
+        if coding is not None:
+            if not coding.lower().rstrip(b" \t").endswith(b"chunked"):
+                raise httptools.HttpParserError(f"unsupported transfer-encoding {coding!r}")
+            if length is not None:
+                self.keep_alive = False  # chunked wins, but what else the upstream got wrong is unknown
+        elif length is None:
+            self.until_close = True  # the body ends with the connection
+            self.keep_alive = False
+
     def on_body(self, body: bytes) -> None:
+        if self.complete:
+            raise _AfterTheEnd  # body bytes after a head-only response
         self.chunks.append(bytes(body))
         self.buffered += len(body)
         if self.buffered > _HIGH_WATER and not self.paused and self.transport is not None:
@@ -85,7 +161,10 @@ class _Connection(asyncio.Protocol):
             self.paused = True
 
     def on_message_complete(self) -> None:
-        self.complete = True
+        if self.interim:
+            self.interim = False
+        else:
+            self.complete = True
 
     def _wake(self) -> None:
         if self.waiter is not None and not self.waiter.done():
@@ -168,11 +247,19 @@ class _Body(httpx.AsyncByteStream):
 
 
 class Http1Transport(httpx.AsyncBaseTransport):
-    def __init__(self, max_connections: int = 512, max_keepalive: int = 128, keepalive_expiry: float = 4.0) -> None:
+    def __init__(
+        self,
+        max_connections: int = 512,
+        max_keepalive: int = 128,
+        keepalive_expiry: float = 4.0,
+        on_retry: Callable[[], None] | None = None,
+    ) -> None:
         self.max_keepalive = max_keepalive
         self.keepalive_expiry = keepalive_expiry
         self.idle: dict[tuple[str, int], list[_Connection]] = {}
         self.slots = asyncio.Semaphore(max_connections)
+        # called when a request is sent again because its reused idle connection was found closed
+        self.on_retry = on_retry
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if request.url.scheme != "http":
@@ -191,33 +278,51 @@ class Http1Transport(httpx.AsyncBaseTransport):
         the body streams. For callers that build the message themselves, without an httpx.Request."""
         await self._acquire_slot(timeouts.get("pool"))
         conn: _Connection | None = None
+        head_only = method == "HEAD"
         try:
-            conn = self._idle_connection(origin) or await self._connect(origin, timeouts.get("connect"))
-            assert conn.transport is not None
-            conn.transport.write(message)
-            while not conn.head_done:
-                if conn.error is not None:
-                    raise conn.error
-                if conn.closed:
-                    raise httpx.RemoteProtocolError("upstream closed the connection without a response")
+            conn = self._idle_connection(origin, head_only)
+            if conn is not None:
                 try:
-                    await conn.wait(timeouts.get("read"))
-                except asyncio.TimeoutError:
+                    await self._send(conn, message, timeouts.get("read"), reused=True)
+                except _DeadIdleConnection:
+                    # Closed by the upstream while idle (its keep-alive timeout, a restart), before it read
+                    # the request: no byte of an answer came, so sending it again cannot run it twice.
+                    # Its idle siblings were likely closed at the same moment.
                     conn.close()
-                    raise httpx.ReadTimeout("upstream sent no response within the read timeout") from None
+                    self.drop_idle()
+                    if self.on_retry is not None:
+                        self.on_retry()
+                    conn = None
+            if conn is None:
+                conn = await self._connect(origin, timeouts.get("connect"), head_only)
+                await self._send(conn, message, timeouts.get("read"), reused=False)
         except BaseException:
             self.slots.release()
             if conn is not None:
                 conn.close()
             raise
-        if method == "HEAD" or conn.status in (204, 304):
-            conn.complete = True
         return httpx.Response(
             conn.status,
             headers=conn.headers,
             stream=_Body(self, origin, conn, timeouts.get("read")),
             extensions={"http_version": b"HTTP/1.1"},
         )
+
+    async def _send(self, conn: _Connection, message: bytes, read_timeout: float | None, reused: bool) -> None:
+        """Writes the request and waits for the head of its final response."""
+        assert conn.transport is not None
+        conn.transport.write(message)
+        while not conn.head_done:
+            if conn.error is not None:
+                raise conn.error
+            if conn.closed:
+                if reused and not conn.received:
+                    raise _DeadIdleConnection
+                raise httpx.RemoteProtocolError("upstream closed the connection without a response")
+            try:
+                await conn.wait(read_timeout)
+            except asyncio.TimeoutError:
+                raise httpx.ReadTimeout("upstream sent no response within the read timeout") from None
 
     async def _acquire_slot(self, timeout: float | None) -> None:
         if not self.slots.locked():
@@ -228,18 +333,18 @@ class Http1Transport(httpx.AsyncBaseTransport):
         except asyncio.TimeoutError:
             raise httpx.PoolTimeout("no free upstream connection within the pool timeout") from None
 
-    def _idle_connection(self, origin: tuple[str, int]) -> _Connection | None:
+    def _idle_connection(self, origin: tuple[str, int], head_only: bool) -> _Connection | None:
         idle = self.idle.get(origin)
         now = time.monotonic()
         while idle:
             conn = idle.pop()
             if not conn.closed and now - conn.idle_since < self.keepalive_expiry:
-                conn._reset()
+                conn._reset(head_only)
                 return conn
             conn.close()
         return None
 
-    async def _connect(self, origin: tuple[str, int], timeout: float | None) -> _Connection:
+    async def _connect(self, origin: tuple[str, int], timeout: float | None, head_only: bool) -> _Connection:
         loop = asyncio.get_running_loop()
         try:
             transport, conn = await asyncio.wait_for(
@@ -251,6 +356,7 @@ class Http1Transport(httpx.AsyncBaseTransport):
             raise httpx.ConnectError(f"cannot connect to {origin[0]}:{origin[1]}: {exc.strerror or exc}") from exc
         # uvloop calls connection_made only on the next loop iteration
         conn.transport = cast(asyncio.Transport, transport)
+        conn.head_only = head_only
         return conn
 
     def release(self, origin: tuple[str, int], conn: _Connection) -> None:
@@ -279,8 +385,8 @@ def _request_head(method: str, target: bytes, headers: Iterable[tuple[bytes, byt
     has_length = False
     for name, value in headers:
         lower = name.lower()
-        if lower == b"transfer-encoding":
-            continue  # the body is sent whole, with its length
+        if lower in _OWN_REQUEST_HEADERS:
+            continue
         if lower == b"content-length":
             has_length = True
         lines.append(name + b": " + value)

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 import httpx
 from pydantic import ValidationError
 
+from moe_l2_common.admin import ADMIN_TOKEN_HEADER
 from moe_l2_common.schemas.openai import ModelList
 from moe_l2_proxy.errors import GatewayError
 from moe_l2_proxy.http1_transport import Http1Transport, request_message
@@ -18,8 +19,10 @@ log = logging.getLogger("moe_l2_proxy.upstream")
 
 DOMAIN_HEADER = "x-moe-domain"
 
-# Never forwarded towards llama: hop-by-hop headers, what httpx recomputes, the client's own
-# credentials (llama gets MOE_L2_LLAMA_API_KEY or nothing) and the domain tag (the gateway sets it).
+# Never forwarded towards llama: hop-by-hop headers (the gateway answers `Expect: 100-continue`
+# itself and frames the body; what a header named in `Connection:` says is for the gateway alone),
+# what is recomputed, the client's own credentials (llama gets MOE_L2_LLAMA_API_KEY or nothing),
+# the services' admin token and the domain tag (the gateway sets it).
 _REQUEST_DROP = frozenset(
     {
         "connection",
@@ -31,9 +34,11 @@ _REQUEST_DROP = frozenset(
         "trailer",
         "transfer-encoding",
         "upgrade",
+        "expect",
         "host",
         "content-length",
         "authorization",
+        ADMIN_TOKEN_HEADER.lower(),
         DOMAIN_HEADER,
     }
 )
@@ -58,6 +63,7 @@ class LlamaUpstream:
             max_connections=settings.llama_max_connections,
             max_keepalive=min(settings.llama_max_connections, 128),
             keepalive_expiry=4.0,  # under llama-server's keep-alive timeout (5 s), so it never closes first
+            on_retry=lambda: metrics.upstream_errors.labels("llama", "retried").inc(),
         )
         self.client = httpx.AsyncClient(
             base_url=self.url,
@@ -78,7 +84,19 @@ class LlamaUpstream:
         self._prefix = url.raw_path.decode("ascii").rstrip("/")
 
     def forward_headers(self, client_headers: Iterable[tuple[str, str]], domain: str | None) -> dict[str, str]:
-        headers = {k: v for k, v in client_headers if k.lower() not in _REQUEST_DROP}
+        headers = {}
+        named: list[str] = []
+        for k, v in client_headers:
+            lower = k.lower()
+            if lower in _REQUEST_DROP:
+                if lower == "connection":
+                    named.append(v)
+                continue
+            headers[k] = v
+        if named:
+            # `Connection: foo` makes `foo` hop-by-hop too: meant for the gateway, not for llama
+            hop = {token.strip().lower() for value in named for token in value.split(",")}
+            headers = {k: v for k, v in headers.items() if k.lower() not in hop}
         if self.authorization:
             headers["authorization"] = self.authorization
         if domain:
@@ -108,26 +126,18 @@ class LlamaUpstream:
             # own CPU per request, and have nothing to do for llama.
             host, port = self._origin
             message = request_message(method, host, port, self._prefix + path, headers, content)
-            try:
-                return await self._exchange(method, message, stream)
-            except httpx.RemoteProtocolError:
-                # a pooled keep-alive connection closed by llama before it answered (a restart, or several
-                # idle connections closed at once under load): once more, on a fresh connection
-                self.metrics.upstream_errors.labels("llama", "retried").inc()
-                self.transport.drop_idle()
-                return await self._exchange(method, message, stream)
+            # No retry here: once llama may have started on a request, sending it again could run a
+            # generation twice. The transport itself resends only what a dead idle connection never took.
+            response = await self.transport.exchange(self._origin, method, message, self._timeouts)
+            if not stream:
+                try:
+                    await response.aread()
+                except BaseException:
+                    await response.aclose()
+                    raise
+            return response
         except httpx.HTTPError as exc:
             raise self.transport_error(exc) from exc
-
-    async def _exchange(self, method: str, message: bytes, stream: bool) -> httpx.Response:
-        response = await self.transport.exchange(self._origin, method, message, self._timeouts)
-        if not stream:
-            try:
-                await response.aread()
-            except BaseException:
-                await response.aclose()
-                raise
-        return response
 
     def transport_error(self, exc: httpx.HTTPError) -> GatewayError:
         kind, status, message = classify(exc)
