@@ -17,7 +17,18 @@ Two CPU layouts, the same processes re-pinned between them (with 2 or more CPUs)
 And the gateway's own cost, from its CPU time (/proc, not a stopwatch, so machine noise barely
 moves it): 1-token and N-token streams at concurrency 1 give CPU per request and per relayed token.
 
+Before/after a gateway change, side by side in one run: `--baseline-ref REF` checks REF out into a
+temporary git worktree and starts a second gateway process from it (PYTHONPATH puts REF's
+moe_l2_proxy and moe_l2_common first), in front of the same llama-server. A fourth target takes its
+turn in the rotation:
+  baseline  the gateway as it was at REF, requests tagged like `gateway`
+and the CPU cost is measured for both gateways, alternated. "vs baseline" is this gateway's
+latency less the baseline's (the cost of the change), and the ratio of their throughputs.
+`--current-ref REF` runs the `gateway` target from REF too, instead of the working tree; with
+`--baseline-ref C~1 --current-ref C` the two sides differ by exactly commit C.
+
     python bench/gateway_overhead.py [--tokens 64] [--rounds 1:150,8:12,32:12] [--layouts shared,isolated]
+                                     [--baseline-ref 765b453] [--current-ref HEAD]
 """
 
 from __future__ import annotations
@@ -29,9 +40,11 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,7 +55,7 @@ from moe_l2_common.supervisor import RunningService, ServiceSpec, Supervisor, fr
 from moe_l2_llama.build import build
 from moe_l2_llama.settings import LlamaSettings, llama_server_command, llama_server_env
 
-TARGETS = ("direct", "gateway", "keyword")
+TARGETS = ("direct", "gateway", "baseline", "keyword")
 LAYOUTS = ("shared", "isolated")
 PROMPT = "write a python function that parses a csv file and sums a column"
 
@@ -68,7 +81,10 @@ def start_llama(supervisor: Supervisor, binary: Path, model: Path, threads: int)
     )
 
 
-def start_gateway(supervisor: Supervisor, llama_url: str) -> RunningService:
+def start_gateway(
+    supervisor: Supervisor, llama_url: str, name: str = "bench-gateway", source: Path | None = None
+) -> RunningService:
+    """A gateway process; with `source` (a checkout of another ref), that checkout's code is imported."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {
@@ -78,15 +94,51 @@ def start_gateway(supervisor: Supervisor, llama_url: str) -> RunningService:
         "MOE_L2_CACHE_URL": "",
         "MOE_L2_LOG_LEVEL": "warning",
     }
+    if source is not None:
+        env["PYTHONPATH"] = source_path(source)
     return supervisor.start(
         ServiceSpec(
-            name="bench-gateway",
+            name=name,
             argv=[sys.executable, "-m", "moe_l2_proxy"],
             env=env,
             health=http_ok(f"{url}/healthz"),
             url=url,
         )
     )
+
+
+def source_path(checkout: Path) -> str:
+    # ahead of the editable install of this tree, which Python consults after PYTHONPATH
+    return os.pathsep.join(str(checkout / sub) for sub in ("services/proxy", "shared"))
+
+
+@contextlib.contextmanager
+def checkout(ref: str, target: str) -> Iterator[Path]:
+    """`ref` checked out into a temporary git worktree, removed afterwards."""
+    repo = Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory(prefix=f"gateway-{target}-") as tmp:
+        tree = Path(tmp) / "tree"
+        subprocess.run(
+            ["git", "-C", str(repo), "worktree", "add", "--detach", "--quiet", str(tree), ref],
+            check=True,
+        )
+        try:
+            imported = subprocess.run(
+                [sys.executable, "-c", "import moe_l2_proxy; print(moe_l2_proxy.__file__)"],
+                env={**os.environ, "PYTHONPATH": source_path(tree)},
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout.strip()
+            if not imported.startswith(str(tree)):
+                raise SystemExit(f"the {target} gateway would import {imported}, not {ref}'s code")
+            commit = subprocess.run(
+                ["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], check=True, capture_output=True, text=True
+            ).stdout.strip()
+            print(f"{target}: {ref} ({commit}) from {tree}", flush=True)
+            yield tree
+        finally:
+            subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(tree)], check=False)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -103,12 +155,14 @@ def pin(pid: int, cpus: set[int]) -> None:
             os.sched_setaffinity(int(tid.name), cpus)
 
 
-def apply_layout(layout: str, llama_pid: int, gateway_pid: int) -> None:
+def apply_layout(layout: str, llama_pid: int, gateway_pid: int, baseline_pid: int | None = None) -> None:
     every = set(range(os.cpu_count() or 1))
     engine = {0} if layout == "isolated" else every
     rest = every - {0} if layout == "isolated" else every
     pin(llama_pid, engine)
     pin(gateway_pid, rest)
+    if baseline_pid is not None:
+        pin(baseline_pid, rest)
     pin(0, rest)
 
 
@@ -160,49 +214,58 @@ def summarize(samples: list[Sample], walls: list[float]) -> dict:
     }
 
 
-async def gateway_cost(client: httpx.AsyncClient, gateway_pid: int, tokens: int, requests: int) -> dict:
-    """The gateway's CPU per request and per relayed token: 1-token and `tokens`-token streams at
-    concurrency 1, tagged (no prediction), fitted as fixed + per-token cost."""
-    cpu: dict[int, float] = {}
+async def gateway_cost(gateways: dict[str, tuple[httpx.AsyncClient, int]], tokens: int, requests: int) -> dict:
+    """Each gateway's CPU per request and per relayed token: 1-token and `tokens`-token streams at
+    concurrency 1, tagged (no prediction), fitted as fixed + per-token cost. Gateways alternate."""
+    cpu: dict[str, dict[int, float]] = {name: {} for name in gateways}
     for n in (1, tokens, 1, tokens):  # twice each, alternating; the sums are what counts
-        before = cpu_seconds(gateway_pid)
-        for _ in range(requests // 2):
-            await one_request(client, n, tagged=True)
-        cpu[n] = cpu.get(n, 0.0) + cpu_seconds(gateway_pid) - before
-    per_token = (cpu[tokens] - cpu[1]) / (requests * (tokens - 1))
-    per_request = cpu[1] / requests - per_token
-    return {
-        "requests_each": requests,
-        "cpu_ms_per_1_token_stream": round(cpu[1] / requests * 1000, 3),
-        f"cpu_ms_per_{tokens}_token_stream": round(cpu[tokens] / requests * 1000, 3),
-        "cpu_ms_per_request": round(per_request * 1000, 3),
-        "cpu_us_per_token": round(per_token * 1e6, 1),
-    }
+        for name, (client, pid) in gateways.items():
+            before = cpu_seconds(pid)
+            for _ in range(requests // 2):
+                await one_request(client, n, tagged=True)
+            cpu[name][n] = cpu[name].get(n, 0.0) + cpu_seconds(pid) - before
+    out = {}
+    for name, used in cpu.items():
+        per_token = (used[tokens] - used[1]) / (requests * (tokens - 1))
+        per_request = used[1] / requests - per_token
+        out[name] = {
+            "requests_each": requests,
+            "cpu_ms_per_1_token_stream": round(used[1] / requests * 1000, 3),
+            f"cpu_ms_per_{tokens}_token_stream": round(used[tokens] / requests * 1000, 3),
+            "cpu_ms_per_request": round(per_request * 1000, 3),
+            "cpu_us_per_token": round(per_token * 1e6, 1),
+        }
+    return out
 
 
 async def measure(
-    urls: dict[str, str], rounds: dict[int, int], tokens: int, gateway_pid: int, cost_requests: int
+    urls: dict[str, str], rounds: dict[int, int], tokens: int, pids: dict[str, int], cost_requests: int
 ) -> dict:
+    targets = [t for t in TARGETS if t in urls]
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-    clients = {t: httpx.AsyncClient(base_url=urls[t], timeout=300, limits=limits) for t in TARGETS}
+    clients = {t: httpx.AsyncClient(base_url=urls[t], timeout=300, limits=limits) for t in targets}
     results: dict[str, dict] = {}
     try:
-        for target in TARGETS:  # warm-up: connections, caches, the keyword tier
+        for target in targets:  # warm-up: connections, caches, the keyword tier
             await batch(clients[target], 4, 8, target != "keyword")
-        results["gateway_cpu"] = await gateway_cost(clients["gateway"], gateway_pid, tokens, cost_requests)
-        cost = results["gateway_cpu"]
-        print(
-            f"  gateway CPU: {cost['cpu_ms_per_request']:.3f} ms per request"
-            f" + {cost['cpu_us_per_token']:.1f} µs per token",
-            flush=True,
-        )
+        gateways = {t: (clients[t], pids[t]) for t in ("gateway", "baseline") if t in urls}
+        costs = await gateway_cost(gateways, tokens, cost_requests)
+        results["gateway_cpu"] = costs["gateway"]
+        if "baseline" in costs:
+            results["baseline_cpu"] = costs["baseline"]
+        for name, cost in costs.items():
+            print(
+                f"  {name} CPU: {cost['cpu_ms_per_request']:.3f} ms per request"
+                f" + {cost['cpu_us_per_token']:.1f} µs per token",
+                flush=True,
+            )
         for concurrency, n_rounds in rounds.items():
-            samples: dict[str, list[Sample]] = {t: [] for t in TARGETS}
-            walls: dict[str, list[float]] = {t: [] for t in TARGETS}
-            round_p50: dict[str, list[float]] = {t: [] for t in TARGETS}
+            samples: dict[str, list[Sample]] = {t: [] for t in targets}
+            walls: dict[str, list[float]] = {t: [] for t in targets}
+            round_p50: dict[str, list[float]] = {t: [] for t in targets}
             for r in range(n_rounds):
-                order = TARGETS[r % 3 :] + TARGETS[: r % 3]
-                for target in order:
+                shift = r % len(targets)
+                for target in targets[shift:] + targets[:shift]:
                     try:
                         wall, got = await batch(clients[target], concurrency, tokens, target != "keyword")
                     except httpx.HTTPError as exc:
@@ -211,26 +274,42 @@ async def measure(
                     samples[target] += got
                     walls[target].append(wall)
                     round_p50[target].append(statistics.median(x.latency_s for x in got))
-            stats = {t: summarize(samples[t], walls[t]) for t in TARGETS}
-            direct = stats["direct"]
-            for t in ("gateway", "keyword"):
-                stats[t]["added_latency_p50_ms"] = round(stats[t]["latency_p50_ms"] - direct["latency_p50_ms"], 3)
-                # per round, the gateway's median latency less direct's (adjacent batches), then the median
-                deltas = [g - d for g, d in zip(round_p50[t], round_p50["direct"], strict=True)]
-                stats[t]["added_latency_paired_ms"] = round(statistics.median(deltas) * 1000, 3)
-                stats[t]["added_latency_p99_ms"] = round(stats[t]["latency_p99_ms"] - direct["latency_p99_ms"], 3)
-                stats[t]["added_ttft_p50_ms"] = round(stats[t]["ttft_p50_ms"] - direct["ttft_p50_ms"], 3)
-                # the median of per-round ratios: a round's batches ran back to back, so a slow spell of
-                # the machine hits both sides of a pair; the pooled ratio lets one slow batch decide
-                paired = [d / w for d, w in zip(walls["direct"], walls[t], strict=True)]
-                stats[t]["throughput_ratio"] = round(statistics.median(paired), 4)
-                stats[t]["throughput_ratio_pooled"] = round(stats[t]["tokens_per_s"] / direct["tokens_per_s"], 4)
+            stats = {t: summarize(samples[t], walls[t]) for t in targets}
+            for t in targets[1:]:
+                stats[t] |= compare(
+                    stats[t], stats["direct"], round_p50[t], round_p50["direct"], walls[t], walls["direct"]
+                )
+            if "baseline" in stats:
+                versus = compare(
+                    stats["gateway"], stats["baseline"], round_p50["gateway"], round_p50["baseline"],
+                    walls["gateway"], walls["baseline"],
+                )  # fmt: skip
+                stats["gateway"]["vs_baseline"] = versus
             results[str(concurrency)] = stats
             print_level(concurrency, stats)
     finally:
         for client in clients.values():
             await client.aclose()
     return results
+
+
+def compare(
+    stats: dict, ref: dict, p50: list[float], ref_p50: list[float], walls: list[float], ref_walls: list[float]
+) -> dict:
+    """One target against a reference target measured in the same rounds."""
+    # per round, the median latency less the reference's (adjacent batches), then the median
+    deltas = [g - d for g, d in zip(p50, ref_p50, strict=True)]
+    # the median of per-round ratios: a round's batches ran back to back, so a slow spell of the
+    # machine hits both sides of a pair; the pooled ratio lets one slow batch decide
+    paired = [d / w for d, w in zip(ref_walls, walls, strict=True)]
+    return {
+        "added_latency_p50_ms": round(stats["latency_p50_ms"] - ref["latency_p50_ms"], 3),
+        "added_latency_paired_ms": round(statistics.median(deltas) * 1000, 3),
+        "added_latency_p99_ms": round(stats["latency_p99_ms"] - ref["latency_p99_ms"], 3),
+        "added_ttft_p50_ms": round(stats["ttft_p50_ms"] - ref["ttft_p50_ms"], 3),
+        "throughput_ratio": round(statistics.median(paired), 4),
+        "throughput_ratio_pooled": round(stats["tokens_per_s"] / ref["tokens_per_s"], 4),
+    }
 
 
 def print_level(concurrency: int, stats: dict) -> None:
@@ -247,6 +326,13 @@ def print_level(concurrency: int, stats: dict) -> None:
             f"{s['tokens_per_s']:>8.0f} {added:>8.2f} {paired:>7.2f} {ratio:>6.3f}",
             flush=True,
         )
+    versus = stats.get("gateway", {}).get("vs_baseline")
+    if versus:
+        print(
+            f"    gateway vs baseline: {versus['added_latency_p50_ms']:+.3f} ms p50"
+            f" (paired {versus['added_latency_paired_ms']:+.3f} ms), throughput ratio {versus['throughput_ratio']:.3f}",
+            flush=True,
+        )
 
 
 def parse_rounds(text: str) -> dict[int, int]:
@@ -259,10 +345,10 @@ async def run_layouts(
 ) -> dict:
     results = {}
     for layout in layouts:
-        apply_layout(layout, pids["llama"], pids["gateway"])
+        apply_layout(layout, pids["llama"], pids["gateway"], pids.get("baseline"))
         print(f"\n{layout}: {LAYOUT_TEXT[layout]}", flush=True)
-        results[layout] = await measure(urls, rounds, args.tokens, pids["gateway"], args.cost_requests)
-    apply_layout("shared", pids["llama"], pids["gateway"])
+        results[layout] = await measure(urls, rounds, args.tokens, pids, args.cost_requests)
+    apply_layout("shared", pids["llama"], pids["gateway"], pids.get("baseline"))
     return results
 
 
@@ -279,7 +365,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="llama-server CPU threads")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help="CPU layouts to measure, comma-separated")
     parser.add_argument("--cost-requests", type=int, default=100, help="streams of each length for the CPU cost")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "gateway_overhead.json")
+    parser.add_argument(
+        "--baseline-ref",
+        default="",
+        help="also run the gateway as it is at this git ref (commit, tag, branch), side by side",
+    )
+    parser.add_argument(
+        "--current-ref",
+        default="",
+        help="run the `gateway` target from this git ref instead of the working tree (with --baseline-ref: "
+        "the two sides of exactly one change, e.g. --baseline-ref C~1 --current-ref C)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="JSON report (default: bench/results/gateway_overhead.json, or gateway_overhead_vs_baseline.json "
+        "with --baseline-ref)",
+    )
     args = parser.parse_args(argv)
     rounds = parse_rounds(args.rounds)
     layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]
@@ -289,21 +391,31 @@ def main(argv: list[str] | None = None) -> int:
     if "isolated" in layouts and _cpus() < 2:
         print("one CPU: the isolated layout needs two, measuring the shared layout only", file=sys.stderr)
         layouts = [name for name in layouts if name != "isolated"]
+    if args.out is None:
+        name = "gateway_overhead_vs_baseline.json" if args.baseline_ref else "gateway_overhead.json"
+        args.out = Path(__file__).parent / "results" / name
 
     binary = build()
-    with tempfile.TemporaryDirectory() as tmp:
-        model = Path(tmp) / "demo.gguf"
+    with contextlib.ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        baseline_tree = stack.enter_context(checkout(args.baseline_ref, "baseline")) if args.baseline_ref else None
+        current_tree = stack.enter_context(checkout(args.current_ref, "gateway")) if args.current_ref else None
+        model = tmp / "demo.gguf"
         make_demo_model(model, seed=0)
-        supervisor = Supervisor(Path(tmp) / "logs")
+        supervisor = Supervisor(tmp / "logs")
         try:
             llama = start_llama(supervisor, binary, model, args.threads)
-            gateway = start_gateway(supervisor, llama.spec.url)
-            urls = {"direct": llama.spec.url, "gateway": gateway.spec.url, "keyword": gateway.spec.url}
-            pids = {"llama": llama.proc.pid, "gateway": gateway.proc.pid}
+            services = [llama, start_gateway(supervisor, llama.spec.url, source=current_tree)]
+            urls = {"direct": llama.spec.url, "gateway": services[1].spec.url, "keyword": services[1].spec.url}
+            pids = {"llama": llama.proc.pid, "gateway": services[1].proc.pid}
+            if baseline_tree is not None:
+                services.append(start_gateway(supervisor, llama.spec.url, "bench-baseline", baseline_tree))
+                urls["baseline"] = services[2].spec.url
+                pids["baseline"] = services[2].proc.pid
             try:
                 results = asyncio.run(run_layouts(layouts, urls, pids, rounds, args))
             except httpx.HTTPError:
-                for service in (llama, gateway):  # the logs go with the temporary folder
+                for service in services:  # the logs go with the temporary folder
                     print(f"--- last lines of {service.spec.name}'s log", *service.tail(30), sep="\n", file=sys.stderr)
                 raise
         finally:
@@ -318,14 +430,23 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": rounds,
             "layouts": {name: LAYOUT_TEXT[name] for name in layouts},
             "llama": {"parallel": 32, "ctx_size": 32 * 1024, "threads": args.threads, "model": "demo (seed 0)"},
+            "baseline_ref": args.baseline_ref or None,
+            "current_ref": args.current_ref or "working tree",
+            "command": " ".join(["python", "bench/gateway_overhead.py", *(sys.argv[1:] if argv is None else argv)]),
         },
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": _cpus()},
-        "targets": {"added_latency_p50_ms_max": 1.0, "throughput_ratio_at_32_min": 0.97},
+        "targets": {
+            "added_latency_p50_ms_max": 1.0,
+            "throughput_ratio_at_32_min": 0.97,
+            **({"vs_baseline_added_latency_p50_ms_at_1_max": 0.2} if args.baseline_ref else {}),
+        },
         "summary": {layout: summary(results[layout]) for layout in layouts},
         "results": results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
+    for layout in layouts:
+        print(f"\n{layout}: {json.dumps(report['summary'][layout])}")
     print(f"\nwritten to {args.out}")
     return 0
 
@@ -333,13 +454,32 @@ def main(argv: list[str] | None = None) -> int:
 def summary(results: dict) -> dict:
     gw1 = results.get("1", {}).get("gateway", {})
     gw32 = results.get("32", {}).get("gateway", {})
-    return {
+    out = {
         "added_latency_p50_ms_at_1": gw1.get("added_latency_p50_ms"),
         "added_latency_paired_ms_at_1": gw1.get("added_latency_paired_ms"),
         "throughput_ratio_at_32": gw32.get("throughput_ratio"),
         "gateway_cpu_ms_per_request": results["gateway_cpu"]["cpu_ms_per_request"],
         "gateway_cpu_us_per_token": results["gateway_cpu"]["cpu_us_per_token"],
     }
+    if "baseline_cpu" in results:
+        base1 = results.get("1", {}).get("baseline", {})
+        versus1 = gw1.get("vs_baseline", {})
+        out |= {
+            "baseline_added_latency_p50_ms_at_1": base1.get("added_latency_p50_ms"),
+            "baseline_added_latency_paired_ms_at_1": base1.get("added_latency_paired_ms"),
+            # the change itself: this gateway less the baseline, measured in the same rounds
+            "vs_baseline_latency_p50_ms_at_1": versus1.get("added_latency_p50_ms"),
+            "vs_baseline_latency_paired_ms_at_1": versus1.get("added_latency_paired_ms"),
+            "vs_baseline_throughput_ratio": {
+                level: stats["gateway"]["vs_baseline"]["throughput_ratio"]
+                for level, stats in results.items()
+                if level.isdigit()
+            },
+            "baseline_throughput_ratio_at_32": results.get("32", {}).get("baseline", {}).get("throughput_ratio"),
+            "baseline_cpu_ms_per_request": results["baseline_cpu"]["cpu_ms_per_request"],
+            "baseline_cpu_us_per_token": results["baseline_cpu"]["cpu_us_per_token"],
+        }
+    return out
 
 
 def _cpus() -> int:
