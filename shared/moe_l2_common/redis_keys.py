@@ -7,6 +7,7 @@
     moe:{model}:active                     hash  the active domain and when it became active
     moe:{model}:meta                       hash  what the id stands for (arch, file, experts, layers)
     moe:{model}:flushed:{batch}            str   marks a batch of counts as written (expires after a day)
+    moe:{model}:quarantine:{rest}          any   a key of the wrong type, moved aside (never read)
 
 Domain tags are `[A-Za-z0-9_.:-]+`; the layer is always the last component of a routing key, so a
 tag containing ':' still parses.
@@ -57,12 +58,26 @@ class RedisKeys:
     def flushed(self, batch_id: str) -> str:
         return f"{self.base}:flushed:{batch_id}"
 
+    def quarantine(self, key: str) -> str:
+        """Where a key of this model that holds the wrong type is moved aside."""
+        return f"{self.base}:quarantine:{key.removeprefix(self.base + ':')}"
+
     def parse_routing(self, key: str) -> tuple[str, int] | None:
         """(domain, layer) of a routing key of this model, None for any other key."""
         head = f"{self.base}:routing:"
         if not key.startswith(head):
             return None
         domain, _, layer = key[len(head) :].rpartition(":")
-        if not domain or not layer.isdigit():
+        # ASCII digits only: str.isdigit() also takes "²", which int() refuses
+        if not domain or not (layer.isascii() and layer.isdigit()) or len(layer) > 9:
             return None
         return domain, int(layer)
+
+    def section(self, key: str) -> tuple[str, str]:
+        """(section, rest) of a key of this model: ("routing", "math:3"), ("domains", ""), ...;
+        ("", key) for a key outside the model's prefix."""
+        head = f"{self.base}:"
+        if not key.startswith(head):
+            return "", key
+        section, _, rest = key[len(head) :].partition(":")
+        return section, rest

@@ -15,14 +15,11 @@ import pytest
 from moe_l2_common.domains import DEFAULT_DOMAINS
 from moe_l2_common.gguf_index import load_index
 
-from ..conftest import LlamaServer
+from ..conftest import ADMIN_HEADERS, LlamaServer
 from .conftest import CacheManager, RedisServer
 from .traffic import chat, domain_prompt, llama_metrics, metric, serve_mix
 
 pytestmark = pytest.mark.llama
-
-TOKEN = "s3cret"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture
@@ -43,12 +40,11 @@ def manager(
         MOE_L2_DECAY="1",
         MOE_L2_HOTSET_BYTES=str(6 * 8 * expert_bytes),  # as many experts as the planted ones (6 per layer)
         MOE_L2_POOL_BYTES=str(8 * 8 * expert_bytes),
-        MOE_L2_ADMIN_TOKEN=TOKEN,
     )
 
 
 def pull(manager: CacheManager) -> dict:
-    resp = manager.client.post("/v1/pull", headers=AUTH)
+    resp = manager.client.post("/v1/pull", headers=ADMIN_HEADERS)
     assert resp.status_code == 200, resp.text
     body = resp.json()
     assert body["ok"], body
@@ -155,7 +151,10 @@ def test_a_domain_hot_set_beats_a_global_hot_set_of_the_same_size(
         assert hint(manager, domain)["switched"]
         assert global_hot["n_experts"] >= hot_set(manager, domain)["n_experts"]
         own = hit_rate(domain)
-        resp = cache_llama.client.post("/moe/hot-set", json={"domain": "_global", "layers": global_hot["layers"]})
+        # the global hot set, posted under the domain's own name (llama refuses reserved names)
+        resp = cache_llama.client.post(
+            "/moe/hot-set", json={"domain": domain, "layers": global_hot["layers"]}, headers=ADMIN_HEADERS
+        )
         assert resp.status_code == 200, resp.text
         shared = hit_rate(domain)
         figures[domain] = {"domain_hot_set": round(own, 3), "global_hot_set": round(shared, 3)}
@@ -218,7 +217,7 @@ def test_restarting_the_cache_manager_keeps_tables_and_active_domain(
     pull(manager)
     assert hint(manager, "logic")["switched"]
     hot_sets = {d: hot_set(manager, d)["layers"] for d in DEFAULT_DOMAINS}
-    cache_llama.client.post("/moe/hot-set", json={"domain": "none", "layers": {}})
+    cache_llama.client.post("/moe/hot-set", json={"domain": "general_qa", "layers": {}}, headers=ADMIN_HEADERS)
 
     # uvicorn re-raises the SIGTERM it handled once shut down, so the status says SIGTERM; the log says how
     assert manager.stop() in (0, -signal.SIGTERM)
@@ -243,5 +242,5 @@ def test_index_endpoints(manager: CacheManager, demo_model: Path) -> None:
     assert [(r["offset"], r["length"]) for r in ranges] == [(r.offset, r.length) for r in index.expert_ranges(3, 7)]
     assert manager.client.get("/v1/index/3/99").status_code == 404
     assert manager.client.get("/v1/hotset/nosuchdomain").status_code == 404
-    unauth = httpx.post(f"{manager.client.base_url}/v1/pool/evict", headers={"Authorization": "Bearer wrong"})
+    unauth = httpx.post(f"{manager.client.base_url}/v1/pool/evict", headers={"X-MoE-Admin-Token": "wrong"})
     assert unauth.status_code == 401

@@ -16,10 +16,16 @@ from redis.asyncio import Redis
 from moe_l2_cache.buffer import Batch, CountBuffer
 from moe_l2_cache.flywheel import Flywheel
 from moe_l2_cache.hotset import router_map_text, select_hot_set, sum_tables
+from moe_l2_common.admin import ADMIN_TOKEN_HEADER
+from moe_l2_common.domains import UNTAGGED
 from moe_l2_common.gguf_index import ExpertIndex, load_index
 from moe_l2_common.redis_keys import GLOBAL_DOMAIN, RedisKeys
 
 from .conftest import RedisServer
+
+# The domains these tests use, as the service's accepted set (the taxonomy's names in production).
+ACCEPTED = frozenset({"math", "code", "a", "b", "x", "y", UNTAGGED})
+LLAMA_ADMIN = {ADMIN_TOKEN_HEADER: "llama-admin-token"}
 
 
 def snapshot(index: ExpertIndex, domains: dict[str, dict[int, dict[int, int]]], tokens: dict[str, int]) -> dict:
@@ -48,6 +54,9 @@ class FakeRouting:
 
     def handler(self, request: httpx.Request) -> httpx.Response:
         assert request.url.path == "/moe/routing" and request.url.params.get("reset") == "1"
+        # a reset is an admin call of llama's: the flywheel sends the admin token
+        if request.headers.get(ADMIN_TOKEN_HEADER) != LLAMA_ADMIN[ADMIN_TOKEN_HEADER]:
+            return httpx.Response(401, json={"error": {"message": "admin token required"}})
         if self.status != 200:
             return httpx.Response(self.status, json={"error": {"message": "telemetry disabled"}})
         body = self.queue.pop(0) if self.queue else snapshot(self.index, {}, {})
@@ -71,6 +80,8 @@ def make(index: ExpertIndex, server: RedisServer, **kwargs: float) -> tuple[Flyw
         llama,
         buffer,
         hotset_bytes=int(kwargs.pop("hotset_bytes", 10**9)),
+        accepted=ACCEPTED,
+        admin_headers=LLAMA_ADMIN,
         **kwargs,  # type: ignore[arg-type]
     )
     return flywheel, fake, lambda: redis
@@ -108,6 +119,7 @@ def test_redis_down_buffers_within_a_bound_and_drops_whole_snapshots(
 ) -> None:
     async def run() -> None:
         flywheel, fake, _ = make(index, redis_server, max_cells=5)
+        await flywheel.audit_if_due()  # as at the service's start, while Redis was up
         redis_server.kill9()
         fake.queue.append(snapshot(index, {"a": {0: {1: 3, 2: 4}}}, {"a": 2}))
         # the first batch failed to write: it waits, "uncertain", beside the counts that come after it
@@ -246,3 +258,72 @@ def test_count_buffer_bounds_and_resolution() -> None:
     buf.failed(batch)
     buf.resolve(applied=True)
     assert buf.cells == 0 and buf.take() is None
+
+
+def test_snapshot_domains_outside_the_accepted_set_never_reach_redis(
+    index: ExpertIndex, redis_server: RedisServer
+) -> None:
+    """llama counts whatever tag a request carries (a patched llama refuses reserved and unknown ones,
+    an older one does not): the flywheel stores only accepted domains and the model's experts."""
+
+    async def run() -> None:
+        flywheel, fake, _ = make(index, redis_server)
+        body = snapshot(
+            index,
+            {
+                "math": {0: {1: 5}},
+                UNTAGGED: {1: {2: 3}},
+                GLOBAL_DOMAIN: {0: {7: 9}},
+                "_x": {0: {8: 9}},
+                "stranger": {0: {9: 9}},
+            },
+            {"math": 5, UNTAGGED: 3, GLOBAL_DOMAIN: 9, "_x": 9, "stranger": 9},
+        )
+        body["domains"]["math"]["zz"] = {"1": 4}  # not a layer
+        body["domains"]["math"]["99"] = {"1": 4}  # a layer the model does not have
+        body["domains"]["math"]["2"] = {"x": 4, "99": 4, "3": 6}  # two experts it does not have, one it has
+        fake.queue.append(body)
+        pulled = await flywheel.pull()
+        assert pulled.ok and pulled.flushed and pulled.domains == sorted(["math", UNTAGGED])
+        assert pulled.activations == 5 + 3 + 6
+        with redis_server.client() as r:
+            base = RedisKeys(index.model_id).base
+            assert r.smembers(f"{base}:domains") == {"math", UNTAGGED}
+            assert r.hgetall(f"{base}:tokens") == {"math": "5", UNTAGGED: "3"}
+            assert sorted(r.scan_iter(f"{base}:routing:*")) == sorted(
+                f"{base}:routing:{d}:{layer}" for d, layer in (("math", 0), ("math", 2), (UNTAGGED, 1))
+            )
+        assert flywheel.stats().skipped == {"snapshot_cell": 4, "snapshot_domain": 3}
+        glob = await flywheel.hot_set(GLOBAL_DOMAIN)
+        assert glob is not None and glob.layers == {"0": [1], "1": [2], "2": [3]}
+
+    asyncio.run(run())
+
+
+def test_the_global_table_never_sums_itself_and_garbage_values_do_not_stop_flushes(
+    index: ExpertIndex, redis_server: RedisServer
+) -> None:
+    async def run() -> None:
+        flywheel, fake, _ = make(index, redis_server)
+        keys = RedisKeys(index.model_id)
+        with redis_server.client() as r:
+            r.sadd(keys.domains, GLOBAL_DOMAIN, "math", "_x", "nosuch")
+            r.hset(keys.routing("math", 0), mapping={"1": "2", "banana": "3", "2": "-1", "3": "nan"})
+            r.hset(keys.routing(GLOBAL_DOMAIN, 0), mapping={"5": "100"})
+        assert await flywheel.table(GLOBAL_DOMAIN) == {0: {1: 2.0}}  # before: RecursionError
+        assert await flywheel.known_domains() == {"math"}
+        assert flywheel.stats().skipped == {"domain": 3, "routing_field": 3}
+        await flywheel.table(GLOBAL_DOMAIN)  # the same entries again are not counted again
+        assert flywheel.stats().skipped == {"domain": 3, "routing_field": 3}
+
+        # writing over values that are not counts replaces them, and the flush goes through
+        with redis_server.client() as r:
+            r.hset(keys.tokens, mapping={"math": "lots"})
+        fake.queue.append(snapshot(index, {"math": {0: {2: 4, 3: 5}}}, {"math": 3}))
+        assert (await flywheel.pull()).flushed
+        assert (await flywheel.table("math"))[0] == {1: 2.0, 2: 4.0, 3: 5.0}
+        with redis_server.client() as r:
+            assert r.hget(keys.tokens, "math") == "3"
+            assert r.hget(keys.routing("math", 0), "banana") == "3"  # not a cell it writes: left alone
+
+    asyncio.run(run())

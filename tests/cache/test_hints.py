@@ -16,11 +16,12 @@ from moe_l2_cache.buffer import CountBuffer
 from moe_l2_cache.flywheel import Flywheel
 from moe_l2_cache.hints import HintController
 from moe_l2_cache.residency import ExpertPool
+from moe_l2_common.admin import ADMIN_TOKEN_HEADER
 from moe_l2_common.gguf_index import ExpertIndex, load_index
 from moe_l2_common.redis_keys import RedisKeys
 
 from .conftest import RedisServer
-from .test_flywheel import snapshot
+from .test_flywheel import ACCEPTED, LLAMA_ADMIN, snapshot
 
 
 class FakeLlama:
@@ -33,6 +34,7 @@ class FakeLlama:
         if request.url.path == "/moe/routing":
             return httpx.Response(200, json=self.routing.pop(0) if self.routing else snapshot(self.index, {}, {}))
         if request.url.path == "/moe/hot-set" and request.method == "POST":
+            assert request.headers.get(ADMIN_TOKEN_HEADER) == LLAMA_ADMIN[ADMIN_TOKEN_HEADER]  # an admin call
             body = json.loads(request.content)
             self.posted.append(body)
             return httpx.Response(200, json={**body, "version": len(self.posted), "n_experts": 0})
@@ -60,7 +62,17 @@ def setup(
     redis = Redis(port=server.port, decode_responses=True, socket_timeout=2, socket_connect_timeout=2)
     keys = RedisKeys(index.model_id)
     size = index.max_expert_bytes
-    flywheel = Flywheel(index, keys, redis, llama, CountBuffer(10_000), hotset_bytes=4 * size, pool=pool)
+    flywheel = Flywheel(
+        index,
+        keys,
+        redis,
+        llama,
+        CountBuffer(10_000),
+        hotset_bytes=4 * size,
+        accepted=ACCEPTED | {"new", "fresh"},
+        pool=pool,
+        admin_headers=LLAMA_ADMIN,
+    )
     clock = Clock()
     hints = HintController(flywheel, llama, redis, keys, dwell_s=dwell_s, pool=pool, clock=clock)
     return hints, fake, clock, flywheel
@@ -157,7 +169,7 @@ def test_hints_survive_redis_and_llama_outages(index: ExpertIndex, redis_server:
         down = httpx.AsyncClient(base_url="http://127.0.0.1:9", timeout=1)  # nothing listens on port 9
         redis = Redis(port=redis_server.port, decode_responses=True, socket_timeout=1, socket_connect_timeout=1)
         keys = RedisKeys(index.model_id)
-        flywheel = Flywheel(index, keys, redis, down, CountBuffer(10), hotset_bytes=10**9)
+        flywheel = Flywheel(index, keys, redis, down, CountBuffer(10), hotset_bytes=10**9, accepted=ACCEPTED)
         hints = HintController(flywheel, down, redis, keys, dwell_s=0)
         await redis.hset(keys.routing("a", 0), mapping={"1": 5})
         answer = await hints.hint("a")

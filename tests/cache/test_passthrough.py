@@ -11,8 +11,10 @@ from fastapi.testclient import TestClient
 
 from moe_l2_cache.app import create_app
 from moe_l2_cache.settings import CacheSettings
+from moe_l2_common.admin import ADMIN_TOKEN_HEADER
 from moe_l2_common.supervisor import free_port
 
+from ..conftest import ADMIN_HEADERS
 from .gguf_models import build_dense, build_mixtral
 
 
@@ -61,7 +63,8 @@ def test_pass_through_mode_says_why_and_accepts_hints(tmp_path: Path, case: str)
         for path in ("/v1/index", "/v1/hotset/math"):
             resp = client.get(path)
             assert resp.status_code == 409 and fragment in resp.json()["detail"]
-        assert client.post("/v1/pull").status_code == 409
+        assert client.post("/v1/pull").status_code == 401  # admin calls first need the token
+        assert client.post("/v1/pull", headers=ADMIN_HEADERS).status_code == 409
         assert "moe_l2_cache_passthrough 1.0" in client.get("/metrics").text
 
 
@@ -74,7 +77,7 @@ def test_bad_hint_is_rejected(tmp_path: Path) -> None:
 def test_real_model_with_redis_and_llama_down_still_serves(demo_model: Path) -> None:
     with TestClient(create_app(settings(demo_model, admin_token="t"))) as client:
         assert client.get("/healthz").json() == {"status": "ok", "mode": "active"}
-        pull = client.post("/v1/pull", headers={"Authorization": "Bearer t"}).json()
+        pull = client.post("/v1/pull", headers={ADMIN_TOKEN_HEADER: "t"}).json()
         assert pull["ok"] is False and "llama unreachable" in pull["error"]
         hint = client.post("/v1/hint", json={"domain": "math"}).json()
         assert hint["switched"] and "Redis unreachable" in hint["reason"]

@@ -3,12 +3,14 @@
 Everything the service owns lives in one `Service` on `app.state.service`, built in the lifespan.
 A model that cannot be indexed (missing, unreadable, dense) does not stop the service: it runs in
 pass-through mode, where hints are accepted and ignored and /v1/stats says why.
+
+Errors answer `{"detail": ...}` and never repeat what the client sent: a validation error says
+which field is wrong and why, not the value.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
@@ -16,8 +18,9 @@ from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 import httpx
-from fastapi import Depends, FastAPI, Header, HTTPException, Request
-from fastapi.responses import PlainTextResponse, Response
+from fastapi import Body, Depends, FastAPI, Header, HTTPException, Path, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from redis.asyncio import Redis
 from redis.backoff import NoBackoff
@@ -31,9 +34,11 @@ from moe_l2_cache.hotset import router_map_text
 from moe_l2_cache.metrics import ServiceCollector
 from moe_l2_cache.residency import ExpertPool, PoolError
 from moe_l2_cache.settings import CacheSettings
+from moe_l2_common.admin import ADMIN_TOKEN_HEADER, AdminTokenError, token_matches
+from moe_l2_common.domains import is_reserved
 from moe_l2_common.gguf_index import ExpertIndex, GGUFIndexError, load_index
 from moe_l2_common.gpu import GpuCollector
-from moe_l2_common.redis_keys import RedisKeys
+from moe_l2_common.redis_keys import GLOBAL_DOMAIN, RedisKeys
 from moe_l2_common.schemas.cache import (
     ExpertRange,
     ExpertRanges,
@@ -52,6 +57,9 @@ class Service:
     settings: CacheSettings
     llama: httpx.AsyncClient
     hints: HintController | PassThroughHints
+    domains: frozenset[str]  # accepted in hints, and as tables
+    admin_token: str = ""  # "": every admin call is refused
+    admin_problem: str = ""  # why there is no token
     index: ExpertIndex | None = None
     reason: str = ""  # why pass-through
     redis: Redis | None = None
@@ -71,12 +79,26 @@ def _load_index(settings: CacheSettings) -> tuple[ExpertIndex | None, str]:
         return None, str(e)
 
 
+def _admin_token(settings: CacheSettings) -> tuple[str, str]:
+    try:
+        token = settings.configured_admin_token()
+    except AdminTokenError as e:
+        log.error("admin calls refused: %s", e)
+        return "", str(e)
+    if not token:
+        return "", "no admin token is configured (MOE_L2_ADMIN_TOKEN or MOE_L2_ADMIN_TOKEN_FILE)"
+    return token, ""
+
+
 async def build_service(settings: CacheSettings) -> Service:
+    domains = settings.accepted_domains()
+    token, token_problem = _admin_token(settings)
+    admin_headers = {ADMIN_TOKEN_HEADER: token} if token else {}
     llama = httpx.AsyncClient(base_url=settings.llama_url, timeout=httpx.Timeout(settings.llama_timeout_s, connect=2.0))
     index, reason = await asyncio.to_thread(_load_index, settings)
     if index is None:
         log.warning("pass-through mode: %s", reason)
-        return Service(settings, llama, PassThroughHints(reason), reason=reason)
+        return Service(settings, llama, PassThroughHints(reason), domains, token, token_problem, reason=reason)
 
     log.info(
         "indexed %s: %d MoE layers x %d experts (top-%d), %d bytes per expert, model id %s",
@@ -107,16 +129,37 @@ async def build_service(settings: CacheSettings) -> Service:
         hotset_bytes=settings.hotset_budget(),
         decay=settings.decay,
         decay_tokens=settings.decay_tokens,
+        accepted=domains,
         pool=pool,
+        admin_headers=admin_headers,
     )
     hints = HintController(flywheel, llama, redis, keys, dwell_s=settings.dwell_s, pool=pool)
-    return Service(settings, llama, hints, index, "", redis, keys, pool, pool_problem, flywheel)
+    return Service(
+        settings,
+        llama,
+        hints,
+        domains,
+        token,
+        token_problem,
+        index=index,
+        redis=redis,
+        keys=keys,
+        pool=pool,
+        pool_problem=pool_problem,
+        flywheel=flywheel,
+    )
 
 
 async def _start(service: Service) -> None:
     if service.flywheel is None or service.redis is None or service.keys is None or service.index is None:
         return
     index = service.index
+    # Each step on its own: whatever Redis holds, the service starts (unusable entries are skipped and
+    # counted, keys of the wrong type moved aside first), and Redis down only delays the tables.
+    try:
+        await service.flywheel.audit_if_due()
+    except RedisError as e:
+        log.warning("Redis unreachable at start (%s); counts will be buffered until it answers", e)
     try:
         await service.redis.hset(
             service.keys.meta,
@@ -131,7 +174,7 @@ async def _start(service: Service) -> None:
         )
         await service.flywheel.load_tables()
     except RedisError as e:
-        log.warning("Redis unreachable at start (%s); counts will be buffered until it answers", e)
+        log.warning("routing tables not loaded at start (%s); they are read when Redis answers", e)
     if isinstance(service.hints, HintController):
         await service.hints.restore()
         service.tasks.append(asyncio.create_task(service.hints.run_pinner()))
@@ -184,17 +227,36 @@ ServiceDep = Annotated[Service, Depends(_service)]
 
 def _admin(
     service: ServiceDep,
-    authorization: Annotated[str | None, Header()] = None,
-    x_admin_token: Annotated[str | None, Header()] = None,
+    token: Annotated[str | None, Header(alias=ADMIN_TOKEN_HEADER, description="the admin token")] = None,
 ) -> None:
-    token = service.settings.admin_token
-    if not token:
-        return
-    given = x_admin_token or (authorization[7:] if authorization and authorization.startswith("Bearer ") else "")
-    if not hmac.compare_digest(given.encode(), token.encode()):
+    """Admin calls change state (a pull resets llama's counters): the token, or 401. Never echoes it."""
+    if not service.admin_token:
+        raise HTTPException(status_code=401, detail=f"admin calls are disabled: {service.admin_problem}")
+    if not token_matches(token, service.admin_token):
         raise HTTPException(
-            status_code=401, detail="admin call: give MOE_L2_ADMIN_TOKEN as 'Authorization: Bearer ...'"
+            status_code=401,
+            detail=f"admin call: the {ADMIN_TOKEN_HEADER} header is missing or wrong (the token is MOE_L2_ADMIN_TOKEN "
+            "or in MOE_L2_ADMIN_TOKEN_FILE; `moe-l2 up` keeps it in <state dir>/admin-token)",
         )
+
+
+_ADMIN_ERRORS: dict[int | str, dict[str, object]] = {
+    401: {"description": f"no admin token configured, or {ADMIN_TOKEN_HEADER} missing or wrong"}
+}
+
+
+def _check_domain(service: Service, domain: str) -> None:
+    """Only accepted domains become tables: anything else is a 400 listing them (without the input)."""
+    if domain in service.domains:
+        return
+    what = (
+        "a reserved name (names starting with '_' are the services' own)"
+        if is_reserved(domain)
+        else "not a known domain"
+    )
+    raise HTTPException(
+        status_code=400, detail=f"domain is {what}; valid domains: {', '.join(sorted(service.domains))}"
+    )
 
 
 def _active(service: Service) -> tuple[ExpertIndex, Flywheel]:
@@ -208,8 +270,19 @@ def _routes(app: FastAPI) -> None:
     async def healthz(service: ServiceDep) -> dict[str, str]:
         return {"status": "ok", "mode": "pass-through" if service.index is None else "active"}
 
-    @app.post("/v1/hint", response_model=HintResponse)
-    async def hint(body: HintRequest, service: ServiceDep) -> HintResponse:
+    @app.post(
+        "/v1/hint",
+        response_model=HintResponse,
+        responses={400: {"description": "a reserved or unknown domain; the answer lists the valid ones"}},
+    )
+    async def hint(
+        body: Annotated[
+            HintRequest,
+            Body(openapi_examples={"math": {"value": {"model": "", "domain": "math"}}}),
+        ],
+        service: ServiceDep,
+    ) -> HintResponse:
+        _check_domain(service, body.domain)
         return await service.hints.hint(body.domain)
 
     @app.get("/v1/stats", response_model=StatsResponse)
@@ -228,18 +301,20 @@ def _routes(app: FastAPI) -> None:
 
     @app.get("/v1/hotset/{domain}", response_model=HotSetResponse)
     async def hotset(
-        domain: str,
+        domain: Annotated[str, Path(examples=["math", GLOBAL_DOMAIN], description="a known domain, or _global")],
         service: ServiceDep,
         format: Literal["json", "text"] = "json",
         fresh: bool = False,
     ) -> HotSetResponse | PlainTextResponse:
         _, flywheel = _active(service)
+        if domain != GLOBAL_DOMAIN and domain not in service.domains:
+            raise HTTPException(status_code=404, detail="not a known domain: no hot set")
         try:
             hot = await flywheel.hot_set(domain, fresh=fresh)
         except RedisError as e:
             raise HTTPException(status_code=503, detail=f"Redis unreachable: {e}") from e
         if hot is None:
-            raise HTTPException(status_code=404, detail=f"no routing counts for domain {domain!r} yet")
+            raise HTTPException(status_code=404, detail="no routing counts for this domain yet")
         if format == "text":
             return PlainTextResponse(router_map_text({int(k): v for k, v in hot.layers.items()}))
         return hot
@@ -263,7 +338,9 @@ def _routes(app: FastAPI) -> None:
         return index.summary()
 
     @app.get("/v1/index/{layer}/{expert}", response_model=ExpertRanges)
-    async def expert_ranges(layer: int, expert: int, service: ServiceDep) -> ExpertRanges:
+    async def expert_ranges(
+        layer: Annotated[int, Path(examples=[0])], expert: Annotated[int, Path(examples=[1])], service: ServiceDep
+    ) -> ExpertRanges:
         index, _ = _active(service)
         try:
             ranges = index.expert_ranges(layer, expert)
@@ -275,13 +352,13 @@ def _routes(app: FastAPI) -> None:
             ranges=[ExpertRange(file=str(r.path), offset=r.offset, length=r.length) for r in ranges],
         )
 
-    @app.post("/v1/pull", response_model=PullResponse, dependencies=[Depends(_admin)])
+    @app.post("/v1/pull", response_model=PullResponse, dependencies=[Depends(_admin)], responses=_ADMIN_ERRORS)
     async def pull(service: ServiceDep) -> PullResponse:
         """Pull llama's routing counts now (the flywheel also pulls every MOE_L2_PULL_INTERVAL_S)."""
         _, flywheel = _active(service)
         return await flywheel.pull()
 
-    @app.post("/v1/pool/evict", dependencies=[Depends(_admin)])
+    @app.post("/v1/pool/evict", dependencies=[Depends(_admin)], responses=_ADMIN_ERRORS)
     async def evict(service: ServiceDep) -> dict[str, int]:
         if service.pool is None:
             raise HTTPException(status_code=409, detail=service.pool_problem or f"pass-through mode: {service.reason}")
@@ -292,6 +369,15 @@ def _routes(app: FastAPI) -> None:
         # mincore over the pool's experts is a few syscalls per expert: off the event loop
         body = await asyncio.to_thread(generate_latest, request.app.state.registry)
         return Response(content=body, media_type=CONTENT_TYPE_LATEST)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> Response:
+        # FastAPI's default handler sends each error's `input` back: a body with a secret in it
+        # would be echoed. Where and why only.
+        errors = [
+            {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")} for e in exc.errors()
+        ]
+        return JSONResponse({"detail": errors}, status_code=422)
 
     @app.exception_handler(RedisError)
     async def redis_down(request: Request, exc: RedisError) -> Response:

@@ -20,6 +20,9 @@ from pathlib import Path
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from moe_l2_common.admin import ADMIN_TOKEN_HEADER, AdminTokenError, configured_token
+from moe_l2_common.domains import known_domains
+
 
 class PromptLine(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -49,14 +52,26 @@ def read_prompts(path: Path) -> list[PromptLine]:
     except OSError as e:
         raise CollectError(f"cannot read {path}: {e.strerror or e}", exit_code=2) from e
     prompts = []
+    try:
+        valid = known_domains()
+    except ValueError as e:  # a bad MOE_L2_EXTRA_DOMAINS
+        raise CollectError(str(e), exit_code=2) from e
     for n, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
-            prompts.append(PromptLine.model_validate(json.loads(line)))
+            prompt = PromptLine.model_validate(json.loads(line))
         except (json.JSONDecodeError, ValidationError) as e:
             first = str(e).splitlines()[0] if isinstance(e, json.JSONDecodeError) else _first_error(e)
             raise CollectError(f'{path}:{n}: expected {{"domain": ..., "text": ...}}: {first}', exit_code=2) from e
+        if prompt.domain not in valid:
+            # llama refuses other tags, and the cache-manager keeps no table for them
+            raise CollectError(
+                f"{path}:{n}: {prompt.domain!r} is not a known domain (valid: {', '.join(sorted(valid))}; more "
+                "with MOE_L2_EXTRA_DOMAINS)",
+                exit_code=2,
+            )
+        prompts.append(prompt)
     if not prompts:
         raise CollectError(f"{path} holds no prompts", exit_code=2)
     return prompts
@@ -101,7 +116,7 @@ def collect(prompts: list[PromptLine], llama_url: str, max_tokens: int, parallel
 
 
 def ask_cache_manager_to_pull(cache_url: str, token: str | None) -> str:
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    headers = {ADMIN_TOKEN_HEADER: token} if token else {}
     try:
         resp = httpx.post(f"{cache_url}/v1/pull", headers=headers, timeout=60)
     except httpx.HTTPError:
@@ -113,6 +128,14 @@ def ask_cache_manager_to_pull(cache_url: str, token: str | None) -> str:
         return f"the cache-manager could not pull: {body.get('error')}"
     where = "written to Redis" if body.get("flushed") else "buffered until Redis answers"
     return f"the cache-manager pulled {body.get('activations', 0)} activations ({where})"
+
+
+def _admin_token() -> str | None:
+    try:
+        return configured_token() or None
+    except AdminTokenError as e:
+        print(f"warning: {e}", file=sys.stderr)
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     if failed:
         print(f"{len(failed)} of {len(outcomes)} prompts failed, e.g. {failed[0].error}", file=sys.stderr)
     if not args.no_pull and ok:
-        print(ask_cache_manager_to_pull(args.cache_url.rstrip("/"), os.environ.get("MOE_L2_ADMIN_TOKEN")))
+        print(ask_cache_manager_to_pull(args.cache_url.rstrip("/"), _admin_token()))
     return 0 if ok else 1
 
 

@@ -6,23 +6,32 @@ Redis in one transaction (with a marker, see buffer.py), where a Lua script firs
 domain's existing counts by MOE_L2_DECAY per MOE_L2_DECAY_TOKENS new tokens of that domain, then
 adds the delta: the tables follow the traffic, and a domain without traffic keeps its table.
 After each write the hot sets of the domains written are chosen again and stored in Redis.
+
+Only accepted domains (the known domains and llama's "untagged") become tables, and nothing read
+from Redis is trusted: what does not fit the model or the accepted domains is skipped and counted
+(skips.py). The global table sums the accepted domains' tables, never itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import httpx
+from pydantic import ValidationError
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from moe_l2_cache.buffer import Batch, Cell, CountBuffer
 from moe_l2_cache.hotset import select_hot_set, sum_tables
+from moe_l2_cache.keyspace import audit, domain_problem, is_wrong_type
 from moe_l2_cache.residency import ExpertPool
+from moe_l2_cache.skips import SkipCounter
 from moe_l2_common.gguf_index import ExpertIndex
 from moe_l2_common.redis_keys import GLOBAL_DOMAIN, RedisKeys
 from moe_l2_common.schemas.cache import FlywheelStats, HotSetResponse, PullResponse
@@ -33,23 +42,44 @@ log = logging.getLogger(__name__)
 Table = dict[int, dict[int, float]]  # layer -> expert -> (decayed) activations
 
 # KEYS[1]: a routing hash; ARGV[1]: decay factor; ARGV[2..]: expert, delta pairs.
+# A value that is not a finite, non-negative count (Redis holds whatever it was given) would make
+# HINCRBYFLOAT fail, and with it every flush: it is replaced by the delta, or dropped by the decay.
 _DECAY_AND_ADD = """
+local function count(s)
+  local v = s and tonumber(s)
+  if v and v == v and v >= 0 and v < math.huge then return v end
+  return nil
+end
 local factor = tonumber(ARGV[1])
 if factor < 1 then
   local all = redis.call('HGETALL', KEYS[1])
   for i = 1, #all, 2 do
-    local v = tonumber(all[i + 1]) * factor
-    if v < 0.001 then
+    local v = count(all[i + 1])
+    if v == nil or v * factor < 0.001 then
       redis.call('HDEL', KEYS[1], all[i])
     else
-      redis.call('HSET', KEYS[1], all[i], string.format('%.17g', v))
+      redis.call('HSET', KEYS[1], all[i], string.format('%.17g', v * factor))
     end
   end
 end
 for i = 2, #ARGV, 2 do
-  redis.call('HINCRBYFLOAT', KEYS[1], ARGV[i], ARGV[i + 1])
+  local old = redis.call('HGET', KEYS[1], ARGV[i])
+  if old and count(old) == nil then
+    redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
+  else
+    redis.call('HINCRBYFLOAT', KEYS[1], ARGV[i], ARGV[i + 1])
+  end
 end
 return 1
+"""
+
+# KEYS[1]: the tokens hash; ARGV[1]: domain; ARGV[2]: new tokens. A value that is not a count is replaced.
+_ADD_TOKENS = """
+local old = redis.call('HGET', KEYS[1], ARGV[1])
+if old and (#old > 18 or not string.match(old, '^%d+$')) then
+  return redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+end
+return redis.call('HINCRBY', KEYS[1], ARGV[1], ARGV[2])
 """
 
 _FLUSH_MARKER_TTL_S = 86_400
@@ -86,9 +116,13 @@ class Flywheel:
         hotset_bytes: int,
         decay: float = 1.0,
         decay_tokens: int = 100_000,
+        accepted: frozenset[str],
         pool: ExpertPool | None = None,
+        admin_headers: dict[str, str] | None = None,
     ) -> None:
         self.index = index
+        self.accepted = accepted  # the domains that may become tables
+        self.admin_headers = admin_headers or {}  # llama's admin calls: reset=1, hot-set
         self.keys = keys
         self.redis = redis
         self.llama = llama
@@ -98,6 +132,8 @@ class Flywheel:
         self.decay_tokens = decay_tokens
         self.pool = pool
         self.counters = _Counters()
+        self.skips = SkipCounter()
+        self._audit_due = True  # the keyspace is checked before the first read, and after a WRONGTYPE
         self.domains: set[str] = set()
         self._hot_sets: dict[str, HotSetResponse] = {}
         self._tables: dict[str, Table] = {}  # the last read of each domain's table: the pool policy's priors
@@ -105,6 +141,7 @@ class Flywheel:
         self._flush_lock = asyncio.Lock()
         self._pull_lock = asyncio.Lock()
         self._script = redis.register_script(_DECAY_AND_ADD)
+        self._add_tokens = redis.register_script(_ADD_TOKENS)
 
     def on_hot_sets_changed(self, listener: HotSetListener) -> None:
         self._listeners.append(listener)
@@ -121,7 +158,7 @@ class Flywheel:
                 self.counters.last_error = str(e)
                 flushed = await self.flush()  # counts buffered earlier still go out
                 return PullResponse(ok=False, error=str(e), flushed=flushed, buffered_cells=self.buffer.cells)
-            counts, tokens = _cells(snapshot)
+            counts, tokens = self._cells(snapshot)
             self.counters.pulls += 1
             self.counters.last_pull_at = time.time()
             self.counters.activations += sum(counts.values())
@@ -137,14 +174,14 @@ class Flywheel:
                 ok=True,
                 tokens=snapshot.tokens,
                 activations=sum(counts.values()),
-                domains=sorted(snapshot.domains),
+                domains=sorted({d for d, _, _ in counts} | set(tokens)),
                 flushed=flushed,
                 buffered_cells=self.buffer.cells,
             )
 
     async def _fetch(self) -> RoutingSnapshot:
         try:
-            resp = await self.llama.get("/moe/routing", params={"reset": "1"})
+            resp = await self.llama.get("/moe/routing", params={"reset": "1"}, headers=self.admin_headers)
         except httpx.HTTPError as e:
             raise RoutingError(f"llama unreachable: {type(e).__name__}: {e}") from e
         if resp.status_code != 200:
@@ -175,6 +212,7 @@ class Flywheel:
         """Write the buffered counts; False (and they stay buffered) when Redis is unreachable."""
         async with self._flush_lock:
             try:
+                await self.audit_if_due()
                 await self._resolve_uncertain()
             except RedisError as e:
                 self._redis_failed(e)
@@ -185,8 +223,14 @@ class Flywheel:
             try:
                 await self._write(batch)
             except RedisError as e:
+                # maybe applied (a WRONGTYPE fails one command of the transaction, not the others):
+                # the marker decides at the next flush, after the keyspace check moved the key aside
                 self.buffer.failed(batch)
-                self._redis_failed(e)
+                if is_wrong_type(e):
+                    self._audit_due = True
+                    self.counters.last_error = f"redis: {e}"
+                else:
+                    self._redis_failed(e)
                 return False
             self.counters.flushes += 1
             self.counters.redis_ok = True
@@ -214,7 +258,7 @@ class Flywheel:
                         args += [expert, n]
                     await self._script(keys=[self.keys.routing(domain, layer)], args=args, client=pipe)
                 if batch.tokens.get(domain):
-                    pipe.hincrby(self.keys.tokens, domain, batch.tokens[domain])
+                    await self._add_tokens(keys=[self.keys.tokens], args=[domain, batch.tokens[domain]], client=pipe)
                 pipe.sadd(self.keys.domains, domain)
             pipe.set(self.keys.flushed(batch.id), 1, ex=_FLUSH_MARKER_TTL_S)
             await pipe.execute()
@@ -233,29 +277,77 @@ class Flywheel:
 
     # -- tables and hot sets ---------------------------------------------------------------------------
 
+    async def audit_if_due(self) -> None:
+        """Check the model's keyspace (keyspace.py) when it has not been checked since start or a WRONGTYPE."""
+        if not self._audit_due:
+            return
+        moved = await audit(
+            self.redis, self.keys, accepted=self.accepted, layer_ok=self.index.layers.__contains__, skips=self.skips
+        )
+        self._audit_due = False
+        if moved:
+            self._hot_sets.clear()  # a stored hot set may have been one of them
+
+    def accepts(self, domain: str, where: str) -> bool:
+        """Whether `domain` (read from `where`) may be a table; counts it as skipped when not."""
+        if (why := domain_problem(domain, self.accepted)) is None:
+            return True
+        self.skips.skip("domain", f"{where}: {domain}", why)
+        return False
+
+    def _wrong_type(self, key: str) -> None:
+        self.skips.skip("wrong_type", key, "a key of the wrong type; moved aside at the next flush")
+        self._audit_due = True
+
     async def table(self, domain: str) -> Table:
-        """A domain's counts from Redis (every domain's together for GLOBAL_DOMAIN)."""
+        """A domain's counts from Redis; for GLOBAL_DOMAIN every accepted domain's together (never
+        itself: it is reserved, so never accepted). Empty for a domain that is not accepted."""
         if domain == GLOBAL_DOMAIN:
             domains = await self.known_domains()
             return sum_tables([await self.table(d) for d in sorted(domains)])
+        if domain not in self.accepted:
+            return {}
         layers = self.index.moe_layers
         async with self.redis.pipeline(transaction=False) as pipe:
             for layer in layers:
                 pipe.hgetall(self.keys.routing(domain, layer))
-            raw = await pipe.execute()
-        table = {
-            layer: {int(e): float(c) for e, c in fields.items()}
-            for layer, fields in zip(layers, raw, strict=True)
-            if fields
-        }
+            raw = await pipe.execute(raise_on_error=False)
+        table: Table = {}
+        for layer, fields in zip(layers, raw, strict=True):
+            key = self.keys.routing(domain, layer)
+            if isinstance(fields, BaseException):
+                if not is_wrong_type(fields):
+                    raise fields
+                self._wrong_type(key)
+                continue
+            if counts := self._counts(key, fields):
+                table[layer] = counts
         if table:
             self._tables[domain] = table
         return table
 
+    def _counts(self, key: str, fields: dict[str, str]) -> dict[int, float]:
+        out: dict[int, float] = {}
+        for field, value in fields.items():
+            expert, count = _expert_id(field), _number(value)
+            if expert is None or expert >= self.index.n_expert:
+                self.skips.skip(
+                    "routing_field", f"{key} {field}", f"not an expert of the model (0..{self.index.n_expert - 1})"
+                )
+            elif count is None or count < 0:
+                self.skips.skip("routing_field", f"{key} {field}", "not a finite, non-negative count")
+            elif count > 0:
+                out[expert] = count
+        return out
+
     async def load_tables(self) -> None:
-        """Read every domain's table (at start: the pool's policy gets its priors from them)."""
+        """Read every domain's table and hot set (at start: the pool's policy gets its priors from
+        the tables, and a stored hot set that is unusable is found and replaced now)."""
+        await self.audit_if_due()
         for domain in sorted(await self.known_domains()):
             await self.table(domain)
+            await self.hot_set(domain)
+        await self.tokens()  # read once so that unusable counts show up in the stats
         await self._update_priors()
 
     async def _update_priors(self) -> None:
@@ -263,13 +355,36 @@ class Flywheel:
             await asyncio.to_thread(self.pool.set_priors, dict(self._tables))
 
     async def known_domains(self) -> set[str]:
-        members = await self.redis.smembers(self.keys.domains)
-        self.domains |= set(members)
-        return set(members)
+        """The accepted domains of Redis's domain set."""
+        try:
+            members = await self.redis.smembers(self.keys.domains)
+        except ResponseError as e:
+            if not is_wrong_type(e):
+                raise
+            self._wrong_type(self.keys.domains)
+            return set()
+        domains = {m for m in members if self.accepts(m, "domain set")}
+        self.domains |= domains
+        return domains
 
     async def tokens(self) -> dict[str, int]:
-        raw = await self.redis.hgetall(self.keys.tokens)
-        return {d: int(n) for d, n in raw.items()}
+        """Tokens routed per accepted domain."""
+        try:
+            raw = await self.redis.hgetall(self.keys.tokens)
+        except ResponseError as e:
+            if not is_wrong_type(e):
+                raise
+            self._wrong_type(self.keys.tokens)
+            return {}
+        out = {}
+        for domain, value in raw.items():
+            if not self.accepts(domain, "tokens"):
+                continue
+            if not _TOKENS.fullmatch(value):
+                self.skips.skip("tokens_field", f"tokens {domain}", "not a non-negative integer")
+                continue
+            out[domain] = int(value)
+        return out
 
     async def compute_hot_set(self, domain: str) -> HotSetResponse | None:
         table = await self.table(domain)
@@ -290,20 +405,55 @@ class Flywheel:
         )
 
     async def hot_set(self, domain: str, fresh: bool = False) -> HotSetResponse | None:
-        """The domain's hot set: remembered, else stored in Redis (same budget), else computed from its table."""
+        """The domain's hot set: remembered, else stored in Redis (same budget), else computed from its
+        table. None for a domain without counts, or one that is not accepted (GLOBAL_DOMAIN is)."""
+        if domain != GLOBAL_DOMAIN and domain not in self.accepted:
+            return None
         if not fresh:
             if (cached := self._hot_sets.get(domain)) is not None:
                 return cached
-            stored = await self.redis.get(self.keys.hotset(domain))
-            if stored:
-                hot = HotSetResponse.model_validate_json(stored)
-                if hot.budget_bytes == self.hotset_bytes:
-                    self._hot_sets[domain] = hot
-                    return hot
+            hot = await self._stored_hot_set(domain)
+            if hot is not None and hot.budget_bytes == self.hotset_bytes:
+                self._hot_sets[domain] = hot
+                return hot
         hot = await self.compute_hot_set(domain)
         if hot is not None:
             await self._store(hot)
         return hot
+
+    async def _stored_hot_set(self, domain: str) -> HotSetResponse | None:
+        """The hot set Redis holds for `domain`, if it parses and fits the model (else skipped and
+        recomputed: a hot set naming experts the model lacks must never reach llama)."""
+        key = self.keys.hotset(domain)
+        try:
+            stored = await self.redis.get(key)
+        except ResponseError as e:
+            if not is_wrong_type(e):
+                raise
+            self._wrong_type(key)
+            return None
+        if not stored:
+            return None
+        try:
+            hot = HotSetResponse.model_validate_json(stored)
+        except ValidationError:
+            self.skips.skip("hotset", key, "does not parse as a hot set")
+            return None
+        if problem := self._hot_set_problem(hot, domain):
+            self.skips.skip("hotset", key, problem)
+            return None
+        return hot
+
+    def _hot_set_problem(self, hot: HotSetResponse, domain: str) -> str | None:
+        if hot.domain != domain or hot.model_id != self.keys.model:
+            return "stored for another domain or model"
+        for layer, ids in hot.layers.items():
+            number = _expert_id(layer)
+            if number is None or number not in self.index.layers:
+                return "names a layer without routed experts"
+            if any(not 0 <= e < self.index.n_expert for e in ids) or len(set(ids)) != len(ids):
+                return "names experts the model does not have"
+        return None
 
     async def _store(self, hot: HotSetResponse) -> None:
         self._hot_sets[hot.domain] = hot
@@ -329,6 +479,28 @@ class Flywheel:
             for listener in self._listeners:
                 await listener(changed)
 
+    def _cells(self, snapshot: RoutingSnapshot) -> tuple[dict[Cell, int], dict[str, int]]:
+        """The snapshot's counts of accepted domains and of the model's layers and experts; the rest
+        is skipped: llama counts any tag it is given, and a table per tag would be persisted."""
+        counts: dict[Cell, int] = {}
+        for domain, layers in snapshot.domains.items():
+            if (why := domain_problem(domain, self.accepted)) is not None:
+                self.skips.skip("snapshot_domain", None, f"{why}; its counts are not stored")
+                continue
+            for layer_text, experts in layers.items():
+                layer = _expert_id(layer_text)
+                if layer is None or layer not in self.index.layers:
+                    self.skips.skip("snapshot_cell", None, "a layer without routed experts")
+                    continue
+                for expert_text, n in experts.items():
+                    expert = _expert_id(expert_text)
+                    if expert is None or expert >= self.index.n_expert or n < 0:
+                        self.skips.skip("snapshot_cell", None, "an expert the model does not have, or a negative count")
+                    elif n:
+                        counts[(domain, layer, expert)] = int(n)
+        tokens = {d: int(n) for d, n in snapshot.tokens_by_domain.items() if n > 0 and d in self.accepted}
+        return counts, tokens
+
     def stats(self) -> FlywheelStats:
         c = self.counters
         return FlywheelStats(
@@ -346,18 +518,25 @@ class Flywheel:
             dropped_activations=self.buffer.dropped_activations,
             dropped_snapshots=self.buffer.dropped_snapshots,
             domains=sorted(self.domains),
+            skipped=dict(sorted(self.skips.counts.items())),
         )
 
 
-def _cells(snapshot: RoutingSnapshot) -> tuple[dict[Cell, int], dict[str, int]]:
-    counts: dict[Cell, int] = {}
-    for domain, layers in snapshot.domains.items():
-        for layer, experts in layers.items():
-            for expert, n in experts.items():
-                if n:
-                    counts[(domain, int(layer), int(expert))] = int(n)
-    tokens = {d: int(n) for d, n in snapshot.tokens_by_domain.items() if n}
-    return counts, tokens
+def _expert_id(text: str) -> int | None:
+    """A layer or expert number as Redis and llama write it: ASCII decimal digits, nothing else."""
+    return int(text) if _DECIMAL.fullmatch(text) else None
+
+
+def _number(text: str) -> float | None:
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+_DECIMAL = re.compile(r"[0-9]{1,9}")
+_TOKENS = re.compile(r"[0-9]{1,19}")
 
 
 def _per_layer(counts: dict[Cell, int]) -> dict[int, dict[int, float]]:

@@ -96,7 +96,8 @@ class HintController:
         except RedisError as e:
             log.info("active domain not restored: %s", e)
             return
-        if saved:
+        # Redis may hold anything: a reserved or unknown name is never made active again
+        if saved and self.flywheel.accepts(saved, "active domain"):
             async with self._lock:
                 self.active, self._since, self._since_wall = saved, self._clock() - self.dwell_s, time.time()
                 await self._prepare(saved)
@@ -127,7 +128,7 @@ class HintController:
     async def _push(self, domain: str, hot: HotSetResponse) -> bool:
         body = HotSetRequest(domain=domain, layers=hot.layers)
         try:
-            resp = await self.llama.post("/moe/hot-set", json=body.model_dump())
+            resp = await self.llama.post("/moe/hot-set", json=body.model_dump(), headers=self.flywheel.admin_headers)
             resp.raise_for_status()
         except httpx.HTTPError as e:
             self.counters.push_errors += 1

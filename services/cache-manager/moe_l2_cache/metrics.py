@@ -68,6 +68,14 @@ class ServiceCollector(Collector):
         yield _gauge("buffered_activations", "activations waiting for Redis", f.buffered_activations)
         yield _counter("buffer_dropped_activations", "activations dropped: buffer full", f.dropped_activations)
         yield _counter("buffer_dropped_snapshots", "routing snapshots dropped: buffer full", f.dropped_snapshots)
+        skipped = CounterMetricFamily(
+            _P + "skipped_entries",
+            "entries of Redis or of llama's routing snapshots skipped as unusable (see moe_l2_cache.skips)",
+            labels=["kind"],
+        )
+        for kind, n in f.skipped.items():
+            skipped.add_metric([kind], n)
+        yield skipped
 
     def _hints(self) -> Iterator[Metric]:
         h = self.service.hints.stats()

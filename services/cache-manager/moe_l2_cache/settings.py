@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from moe_l2_common.admin import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV, configured_token
+from moe_l2_common.domains import UNTAGGED, known_domains, split_domains
 
 
 class CacheSettings(BaseSettings):
@@ -38,10 +41,33 @@ class CacheSettings(BaseSettings):
         default=1_000_000, ge=1, description="(domain, layer, expert) counts kept in memory while Redis is down"
     )
 
-    admin_token: str | None = Field(default=None, description="required (Bearer) by the admin endpoints when set")
+    admin_token: str = Field(
+        default="", description="required as X-MoE-Admin-Token by the admin calls, and sent on llama's"
+    )
+    admin_token_file: Path | None = Field(default=None, description="a file holding the admin token (compose)")
+    extra_domains: str = Field(
+        default="", description="comma-separated domains accepted beside the taxonomy's (MOE_L2_EXTRA_DOMAINS)"
+    )
     log_level: str = "info"
     llama_timeout_s: float = Field(default=10.0, gt=0)
     redis_timeout_s: float = Field(default=2.0, gt=0)
+
+    @field_validator("extra_domains")
+    @classmethod
+    def _extra_domains_are_valid(cls, value: str) -> str:
+        known_domains(split_domains(value))  # ValueError naming the bad ones
+        return value
+
+    def configured_admin_token(self) -> str:
+        """MOE_L2_ADMIN_TOKEN, else the file MOE_L2_ADMIN_TOKEN_FILE; "" refuses every admin call.
+        Raises AdminTokenError when the file cannot be read."""
+        return configured_token(
+            {ADMIN_TOKEN_ENV: self.admin_token, ADMIN_TOKEN_FILE_ENV: str(self.admin_token_file or "")}
+        )
+
+    def accepted_domains(self) -> frozenset[str]:
+        """The domains that may become tables: the taxonomy's, the extra ones, and llama's "untagged"."""
+        return known_domains(split_domains(self.extra_domains)) | {UNTAGGED}
 
     def hotset_budget(self) -> int:
         return self.pool_bytes if self.hotset_bytes is None else self.hotset_bytes

@@ -122,6 +122,12 @@ class FlywheelStats(BaseModel):
     dropped_activations: int = Field(description="activations dropped because the buffer was full")
     dropped_snapshots: int
     domains: list[str]
+    skipped: dict[str, int] = Field(
+        default_factory=dict,
+        description="entries of Redis or of llama's routing snapshots skipped as unusable, per kind "
+        "(domain, routing_key, routing_field, tokens_field, hotset, wrong_type, unknown_key, snapshot_domain, "
+        "snapshot_cell; see moe_l2_cache.skips)",
+    )
 
 
 class HintStats(BaseModel):
