@@ -275,7 +275,10 @@ class Supervisor:
             if service.probe is not None:
                 service.probe.cancel()
                 service.probe = None
-            self._terminate(service, timeout_s=5.0)
+            # SIGKILL, not SIGTERM and a grace period: waiting here would hold up every other service
+            service.proc.kill()
+            service.proc.wait()
+            self._kill_group(service)
             service.last_exit = service.proc.returncode
             self._failed(service, f"was not healthy {service.spec.start_timeout_s:g}s after its start", now)
             return
