@@ -11,7 +11,7 @@ import sys
 
 # name -> (module with a `main(argv) -> int`, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "up": ("moe_l2_common.stack", "start the whole stack as local processes"),
+    "up": ("moe_l2_common.stack", "start the whole stack as local processes, restarting any that dies"),
     "build-llama": ("moe_l2_llama.build", "build the patched llama-server (cached)"),
     "make-demo-model": ("moe_l2_common.demo_model", "write a small MoE GGUF with a planted router"),
     "predict": ("moe_l2_predictor.predict_cli", "predict the domain of a prompt (in-process, or --url a predictor)"),
@@ -20,8 +20,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "fit the predictor's tiers (+ --data labeled.jsonl), report accuracy",
     ),
     "index": ("moe_l2_common.gguf_index", "index a GGUF's routed experts: layers, experts, bytes (--json)"),
-    "stats": ("moe_l2_common.stats", "figures of the running services: requests, domains, hit rate, pool (--watch)"),
-    "doctor": ("moe_l2_common.doctor", "pass/warn/fail checks: binary, model, GPU, memlock, Redis, services"),
+    "stats": (
+        "moe_l2_common.stats",
+        "figures of the running services: requests, domains, hit rate, pool, restarts (--watch)",
+    ),
+    "doctor": (
+        "moe_l2_common.doctor",
+        "pass/warn/fail checks: binary, model, GPU, memlock, Redis, services, restarts, admin token",
+    ),
     "collect": ("moe_l2_cache.collect", "run domain-tagged prompts (JSONL) through llama to seed the routing tables"),
 }
 

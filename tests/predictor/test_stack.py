@@ -15,6 +15,7 @@ def test_one_predictor_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     assert spec.name == "predictor"
     assert spec.url == "http://127.0.0.1:11437"
     assert spec.argv[-2:] == ["-m", "moe_l2_predictor"]
+    assert not spec.required, "the gateway serves without the predictor: its crash loop must not stop the stack"
 
 
 def test_replicas(monkeypatch: pytest.MonkeyPatch) -> None:
