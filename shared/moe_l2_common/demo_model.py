@@ -536,7 +536,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("path", type=Path, help="where to write the .gguf file")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    shapes = parser.add_argument_group(
+        "model shapes", "a random-weight model with the shape of a real MoE model, instead (docs/model-shapes.md)"
+    )
+    shapes.add_argument("--shape", metavar="NAME", help="ds-v2-lite or qwen3-30b-a3b")
+    shapes.add_argument("--layers", type=int, metavar="N", help="only the first N layers (reduced depth, for tests)")
+    shapes.add_argument("--vocab", type=int, metavar="N", help="vocabulary size (default: the real model's)")
+    shapes.add_argument(
+        "--expert-type", choices=("q4_k", "q4_0"), default="q4_k", help="routed experts' quantization (default: q4_k)"
+    )
     args = parser.parse_args(argv)
+    if args.shape is not None:
+        from moe_l2_common.model_shapes import run_cli
+
+        return run_cli(
+            args.path, args.shape, layers=args.layers, vocab=args.vocab, expert_type=args.expert_type, seed=args.seed
+        )
+    if args.layers is not None or args.vocab is not None:
+        print("error: --layers and --vocab need --shape", file=sys.stderr)
+        return 2
     spec = DemoModelSpec()
     try:
         truth_path = make_demo_model(args.path, seed=args.seed, spec=spec)
