@@ -169,3 +169,74 @@ def until_predicted(gateway: GatewayProc, predictor_url: str, cooldown_s: float,
             return resp
         time.sleep(cooldown_s + 0.1)
     raise AssertionError("the gateway never used the predictor's answer")
+
+
+def raw_request(method: str, path: str, body: bytes = b"", content_length: int | None = None, **headers: str) -> bytes:
+    """A request head (and body) as bytes; Content-Length may be declared longer than the body sent."""
+    fields = {"Host": "gateway", **{k.replace("_", "-"): v for k, v in headers.items()}}
+    if body or content_length is not None or method == "POST":
+        fields["Content-Length"] = str(len(body) if content_length is None else content_length)
+        fields.setdefault("Content-Type", "application/json")
+    head = f"{method} {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in fields.items()) + "\r\n"
+    return head.encode() + body
+
+
+def connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def read_until_closed(sock: socket.socket, timeout_s: float) -> tuple[bytes, bool]:
+    """Everything the server sends until it closes the connection: (bytes, closed). `closed` is False if
+    the connection was still open after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    data = b""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return data, False
+        sock.settimeout(left)
+        try:
+            piece = sock.recv(65536)
+        except TimeoutError:
+            return data, False
+        except ConnectionResetError:
+            return data, True
+        if not piece:
+            return data, True
+        data += piece
+
+
+def read_response(sock: socket.socket, timeout_s: float = 30) -> tuple[int, dict[str, str], bytes]:
+    """One whole response with a Content-Length (what the gateway's own answers have), connection kept."""
+    sock.settimeout(timeout_s)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        piece = sock.recv(65536)
+        if not piece:
+            raise ConnectionError(f"closed before a whole response head: {data!r}")
+        data += piece
+    head, _, body = data.partition(b"\r\n\r\n")
+    status, headers = parse_head(head)
+    length = int(headers.get("content-length", "0"))
+    while len(body) < length:
+        piece = sock.recv(65536)
+        if not piece:
+            raise ConnectionError("closed before the end of the body")
+        body += piece
+    return status, headers, body[:length]
+
+
+def parse_head(head: bytes) -> tuple[int, dict[str, str]]:
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    return int(lines[0].split()[1]), headers
+
+
+def split_response(data: bytes) -> tuple[int, dict[str, str], bytes]:
+    head, _, body = data.partition(b"\r\n\r\n")
+    status, headers = parse_head(head)
+    return status, headers, body

@@ -7,6 +7,7 @@ import logging
 import uvicorn
 
 from moe_l2_proxy.app import create_app
+from moe_l2_proxy.connections import ConnectionLimits, guarded_protocol
 from moe_l2_proxy.settings import ProxySettings
 
 
@@ -14,16 +15,18 @@ def main() -> None:
     settings = ProxySettings()
     level = settings.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(settings)
     uvicorn.run(
-        create_app(settings),
+        app,
         host=settings.proxy_host,
         port=settings.proxy_port,
         log_level=settings.log_level.lower(),
         access_log=settings.access_log,
         server_header=False,
-        # uvloop and httptools when installed (uvicorn[standard]): less per-request overhead
+        # uvloop when installed (uvicorn[standard]): less per-request overhead
         loop="auto",
-        http="auto",
+        # uvicorn's httptools protocol, with read timeouts and a connection limit (connections.py)
+        http=guarded_protocol(ConnectionLimits.from_settings(settings), app.state.metrics),
         timeout_keep_alive=settings.keep_alive_s,
         timeout_graceful_shutdown=10,
     )

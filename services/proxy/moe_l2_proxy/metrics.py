@@ -34,6 +34,7 @@ KNOWN_ROUTES = frozenset(
 MAX_DOMAIN_LABELS = 64
 OTHER_DOMAIN = "_other"
 DISCONNECTED_STATUS = "499"  # nginx's "client closed request": the client left before the end
+TIMED_OUT_STATUS = "408"  # the client stalled while sending its body (connections.GuardedProtocol)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -86,6 +87,14 @@ class GatewayMetrics:
         self.hints = Counter("moe_l2_hints", "Hints to the cache-manager by outcome", ["outcome"], registry=r)
         self.hints_dropped = Counter("moe_l2_hints_dropped", "Hints dropped because the queue was full", registry=r)
         self.in_flight = Gauge("moe_l2_requests_in_flight", "Requests being served", registry=r)
+        self.client_connections = Gauge("moe_l2_client_connections", "Open client connections", registry=r)
+        self.connections_closed = Counter(
+            "moe_l2_client_connections_closed",
+            "Client connections the gateway closed itself, by reason "
+            "(head_timeout, body_timeout, head_too_large, over_limit)",
+            ["reason"],
+            registry=r,
+        )
         self._domain_labels: set[str] = set()
         self._children: dict[tuple[object, ...], Any] = {}
 
@@ -228,7 +237,9 @@ class RequestMetrics:
             await self.app(scope, receive, send_probe)
         finally:
             self.metrics.in_flight.dec()
-            if scope["state"].get("disconnected") or (not finished and status != "500"):
+            if scope["state"].get("timed_out"):
+                status = TIMED_OUT_STATUS
+            elif scope["state"].get("disconnected") or (not finished and status != "500"):
                 status = DISCONNECTED_STATUS
             self.metrics.labelled(self.metrics.requests, route, status).inc()
             self.metrics.labelled(self.metrics.request_duration, route).observe(time.perf_counter() - t0)

@@ -60,6 +60,27 @@ class ProxySettings(BaseSettings):
         "the gateway is closing",
     )
 
+    header_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="a request head (request line and headers) must arrive whole within this long of its first "
+        "byte, or of the connection opening; else 408 and the connection is closed (slow or stalled clients)",
+    )
+    body_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="longest silence while a request body is still coming; else 408 (or a plain close once an "
+        "answer has started) and the connection is closed",
+    )
+    max_header_bytes: int = Field(
+        default=64 * 1024, ge=1024, description="a request head larger than this is answered 431 and closed"
+    )
+    max_connections: int = Field(
+        default=1024,
+        ge=1,
+        description="open client connections; a request arriving on a connection beyond this is answered 503 "
+        "and that connection closed",
+    )
     @property
     def predictor_url_list(self) -> list[str]:
         return split_list(self.predictor_urls)
