@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 
 import httpx
 from fastapi import FastAPI
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp
 
 from moe_l2_common.keywords import KeywordClassifier
@@ -17,7 +18,7 @@ from moe_l2_proxy.auth import ApiKeyAuth
 from moe_l2_proxy.dispatch import GenerationDispatch
 from moe_l2_proxy.domain import DomainResolver
 from moe_l2_proxy.errors import install_error_handlers
-from moe_l2_proxy.gateway import Gateway
+from moe_l2_proxy.gateway import Gateway, on_client_disconnect
 from moe_l2_proxy.hints import HintSender
 from moe_l2_proxy.limits import BodyLimit
 from moe_l2_proxy.metrics import GatewayMetrics, RequestMetrics
@@ -130,6 +131,7 @@ def create_app(settings: ProxySettings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.metrics = GatewayMetrics()
     install_error_handlers(app)
+    app.add_exception_handler(ClientDisconnect, on_client_disconnect)
     app.include_router(ops_api.router)
     app.include_router(openai_api.router)
     app.include_router(ollama_api.router)

@@ -14,11 +14,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from moe_l2_proxy.errors import GatewayError, error_response, gateway_error_response
+from moe_l2_proxy.gateway import client_left
 
 log = logging.getLogger("moe_l2_proxy")
 
@@ -45,6 +46,8 @@ async def answer(handler: Handler, request: Request) -> Response:
         return await handler(request)
     except GatewayError as exc:
         return gateway_error_response(request.url.path, exc)
+    except ClientDisconnect:  # the client left while its body was being read
+        return client_left(request)
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return error_response(request.url.path, 500, "internal gateway error", code="internal_error")

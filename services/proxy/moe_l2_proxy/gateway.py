@@ -9,6 +9,8 @@ from typing import TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
 from starlette.types import Receive
 
 from moe_l2_proxy.domain import Decision, DomainResolver
@@ -58,6 +60,19 @@ def parse_body(body: bytes, model: type[M]) -> M:
 
 class ClientDisconnected(Exception):
     """The client left before the answer was ready; the upstream work was cancelled."""
+
+
+def client_left(request: Request) -> Response:
+    """The answer to a client that has gone (never sent): counted as 499, not an error to log."""
+    mark_disconnected(request.scope)
+    return Response(status_code=499)
+
+
+async def on_client_disconnect(request: Request, exc: Exception) -> Response:
+    """FastAPI's handler for Starlette's ClientDisconnect, raised when the client leaves while its
+    body is read: an ordinary event, not a server error with a stack trace."""
+    assert isinstance(exc, ClientDisconnect)
+    return client_left(request)
 
 
 async def _disconnect(receive: Receive) -> None:

@@ -22,6 +22,7 @@ from moe_l2_common.schemas.ollama import (
 )
 from moe_l2_common.schemas.openai import ModelList as OpenAIModelList
 from moe_l2_common.schemas.predict import ChatMessage
+from moe_l2_proxy.blocking import send_generation
 from moe_l2_proxy.domain import Decision
 from moe_l2_proxy.errors import GatewayError, client_mistake, error_response, gateway_error_response
 from moe_l2_proxy.gateway import ClientDisconnected, Gateway, gateway, parse_body, until_disconnect
@@ -103,9 +104,7 @@ async def translate(
     extra = decision.headers()
     raw = path == "/v1/completions"
     t0 = request_started(request.scope)
-    send = gw.llama.send(
-        "POST", path, headers=gw.llama.own_headers(decision.domain), content=json.dumps(body).encode(), stream=stream
-    )
+    send = send_generation(gw.llama, path, gw.llama.own_headers(decision.domain), json.dumps(body).encode(), stream)
     try:
         upstream = await until_disconnect(request, send)
     except GatewayError as exc:

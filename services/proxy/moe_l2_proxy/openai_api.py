@@ -14,6 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from moe_l2_common.schemas.openai import ChatCompletionRequestView, CompletionRequestView, ErrorBody, ErrorDetail
+from moe_l2_proxy.blocking import send_generation
 from moe_l2_proxy.domain import Decision
 from moe_l2_proxy.errors import GatewayError, client_mistake, error_response, gateway_error_response
 from moe_l2_proxy.gateway import ClientDisconnected, Gateway, gateway, parse_body, until_disconnect
@@ -71,9 +72,7 @@ async def generate(request: Request, gw: Gateway, body: bytes, decision: Decisio
     extra = decision.headers()
     headers = gw.llama.forward_headers(request.headers.items(), decision.domain)
     try:
-        upstream = await until_disconnect(
-            request, gw.llama.send("POST", target(request), headers=headers, content=body, stream=stream)
-        )
+        upstream = await until_disconnect(request, send_generation(gw.llama, target(request), headers, body, stream))
     except GatewayError as exc:
         return gateway_error_response(request.url.path, exc, headers=extra)
     except ClientDisconnected:
