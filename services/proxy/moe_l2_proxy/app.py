@@ -15,6 +15,7 @@ from starlette.types import ASGIApp
 from moe_l2_common.keywords import KeywordClassifier
 from moe_l2_proxy import ollama_api, openai_api, ops_api
 from moe_l2_proxy.auth import ApiKeyAuth
+from moe_l2_proxy.cors import Cors, OriginPolicy
 from moe_l2_proxy.dispatch import GenerationDispatch
 from moe_l2_proxy.domain import DomainResolver
 from moe_l2_proxy.errors import install_error_handlers
@@ -93,7 +94,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 class GatewayApp(FastAPI):
     """FastAPI with the gateway's own ASGI layers around it: metrics outermost (they see every answer),
-    then auth (before any body is read), the body limit, and the generation routes' dispatch."""
+    then CORS (preflights carry no credentials), auth (before any body is read), the body limit, and
+    the generation routes' dispatch."""
 
     def build_middleware_stack(self) -> ASGIApp:
         settings: ProxySettings = self.state.settings
@@ -106,6 +108,7 @@ class GatewayApp(FastAPI):
         app = GenerationDispatch(super().build_middleware_stack(), routes)
         app = BodyLimit(app, max_bytes=settings.max_body_bytes)
         app = ApiKeyAuth(app, keys=settings.api_key_list)
+        app = Cors(app, OriginPolicy(settings.origin_list))
         return RequestMetrics(app, metrics=self.state.metrics)
 
 

@@ -81,6 +81,17 @@ class ProxySettings(BaseSettings):
         description="open client connections; a request arriving on a connection beyond this is answered 503 "
         "and that connection closed",
     )
+    origins: str = Field(
+        default="",
+        description="comma-separated browser origins allowed besides the local ones (http(s)://localhost, "
+        "127.0.0.1, [::1], 0.0.0.0 on any port, app://, file://, tauri://, vscode-webview://); `*` inside an "
+        "entry matches any characters but '/', and `*` alone allows every origin",
+    )
+
+    @property
+    def origin_list(self) -> list[str]:
+        return split_list(self.origins)
+
     @property
     def predictor_url_list(self) -> list[str]:
         return split_list(self.predictor_urls)
