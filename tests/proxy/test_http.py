@@ -263,6 +263,8 @@ def test_only_client_mistakes_among_llama_500s_become_400s():
         "No available space in KV cache or invalid slot save file",
         "Internal Server Error",
         "the image input is not supported - hint",
+        # serialising llama's own output failed: not the client's body
+        "[json.exception.type_error.316] invalid UTF-8 byte at index 1: 0xC3",
     ):
         assert client_mistake(500, body(message)) is None, message
     assert client_mistake(500, b"Internal Server Error") is None
@@ -293,3 +295,26 @@ def test_gateway_publishes_its_openapi_document(gateway):
     assert request_validator(doc, "/api/generate").is_valid({"model": "d", "prompt": "hi", "options": {"seed": 1}})
     header = doc["paths"]["/v1/chat/completions"]["post"]["parameters"][0]
     assert header["name"] == "X-MoE-Domain" and set(header["schema"]["enum"]) == set(known_domains())
+
+
+@pytest.mark.parametrize("number", ["NaN", "-Infinity", "1e400"])
+def test_numbers_json_cannot_carry_are_400(gateway, llama32, number):
+    # Python's JSON reader takes these; llama's parser refuses them with a 500
+    body = (
+        b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": ' + number.encode() + b"}"
+    )
+    direct = llama32.client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert direct.status_code == 500
+    for stream in (b"false", b"true"):
+        sent = body[:-1] + b', "stream": ' + stream + b"}"
+        resp = gateway.client.post("/v1/chat/completions", content=sent, headers={"content-type": "application/json"})
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["type"] == "invalid_request_error"
+    ollama_body = (
+        b'{"model": "d", "prompt": "hi", "stream": false, "options": {"temperature": ' + number.encode() + b"}}"
+    )
+    resp = gateway.client.post("/api/generate", content=ollama_body)
+    assert resp.status_code == 400 and isinstance(resp.json()["error"], str)
+    fmt = b'{"model": "d", "messages": [{"role": "user", "content": "hi"}], "format": {"x": ' + number.encode() + b"}}"
+    resp = gateway.client.post("/api/chat", content=fmt)
+    assert resp.status_code == 400 and isinstance(resp.json()["error"], str)

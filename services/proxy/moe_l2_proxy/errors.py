@@ -59,6 +59,10 @@ _CLIENT_MISTAKES = re.compile(
             # media parts whose bytes do not decode
             r"Invalid base64 value$",
             r"Failed to load image or audio file$",
+            # the body itself, which llama parses first in every handler (json::parse(req.body)): numbers
+            # Python's JSON reader accepts but nlohmann's refuses (NaN, Infinity, 1e400)
+            r"\[json\.exception\.parse_error\.\d+\] ",
+            r"\[json\.exception\.out_of_range\.406\] ",
             # request parameters llama-server cannot serve in this configuration
             r"tools param requires --jinja flag$",
             r"tool_choice param requires --jinja flag$",

@@ -145,6 +145,18 @@ def done_reason(finish_reason: str | None) -> str:
     return "length" if finish_reason == "length" else "stop"
 
 
+# Ollama's durations are int64 nanoseconds: 9.2e12 ms is their limit
+_MAX_MS = 9.2e12
+
+
+def ns(ms: float) -> int:
+    """llama's milliseconds as Ollama's nanoseconds; a value no int64 holds is clamped, not an error
+    that would end the answer."""
+    if not ms > 0:  # negative, or NaN
+        return 0
+    return int(min(ms, _MAX_MS) * 1e6)
+
+
 def final_stats(finish_reason: str | None, usage: Usage | None, timings: Timings | None, t0: float) -> FinalStats:
     """The counters of Ollama's last object; durations in nanoseconds."""
     prompt = usage.prompt_tokens if usage else (timings.prompt_n + timings.cache_n if timings else 0)
@@ -154,9 +166,9 @@ def final_stats(finish_reason: str | None, usage: Usage | None, timings: Timings
         total_duration=int((time.perf_counter() - t0) * 1e9),
         load_duration=0,  # llama-server keeps its model loaded
         prompt_eval_count=prompt,
-        prompt_eval_duration=int(timings.prompt_ms * 1e6) if timings else 0,
+        prompt_eval_duration=ns(timings.prompt_ms) if timings else 0,
         eval_count=completion,
-        eval_duration=int(timings.predicted_ms * 1e6) if timings else 0,
+        eval_duration=ns(timings.predicted_ms) if timings else 0,
     )
 
 
@@ -165,7 +177,7 @@ def tool_calls_to_ollama(calls: list[OpenAIToolCall]) -> list[ToolCall]:
     for call in calls:
         try:
             arguments = json.loads(call.function.arguments or "{}")
-        except ValueError:
+        except (ValueError, RecursionError):  # the model's text: not JSON, or nested past Python's stack
             arguments = {"_raw": call.function.arguments}
         if not isinstance(arguments, dict):
             arguments = {"value": arguments}

@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field
 class Options(BaseModel):
     """Sampling options; those llama-server has no per-request equivalent for are accepted and ignored."""
 
-    model_config = ConfigDict(extra="allow")
+    # NaN and infinities are not JSON: Python's reader takes them, llama's does not
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     temperature: float | None = None
     top_p: float | None = None

@@ -20,7 +20,16 @@ class ChatMessage(BaseModel):
 class PredictRequest(BaseModel):
     """Either a text or chat messages (the last user message weighs most)."""
 
-    model_config = ConfigDict(extra="forbid")
+    # `one_input` in the published schema too, so clients (and fuzzers) know what is accepted
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "oneOf": [
+                {"required": ["text"], "properties": {"text": {"type": "string"}}},
+                {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+            ]
+        },
+    )
 
     text: str | None = None
     messages: list[ChatMessage] | None = None
