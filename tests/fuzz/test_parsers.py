@@ -100,9 +100,11 @@ def test_domain_header_through_the_real_gateway(fuzz_gateway: str, fuzz_counts: 
             value=header_values.filter(lambda v: all(" " <= c <= "\xff" and c != "\x7f" for c in v)) | printable_latin1
         )
         def run(value: str) -> None:
+            # HTTP drops a value's leading and trailing blanks on the wire (and h11 will not send them)
+            value = value.strip(" \t")
             resp = client.post("/v1/chat/completions", json=body, headers={"X-MoE-Domain": value.encode("latin-1")})
             fuzz_counts.record("gateway (X-MoE-Domain)", resp.status_code)
-            if value.strip(" \t") and value.strip() in KNOWN:
+            if value.strip() in KNOWN:
                 assert resp.status_code == 200 and resp.headers["x-moe-domain"] == value.strip()
             else:
                 assert resp.status_code == 400, (value, resp.text)
