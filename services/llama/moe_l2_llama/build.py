@@ -6,6 +6,11 @@ series is applied in order on a clean copy, then only the `llama-server` target 
 result is cached under a key made of the source hash, the patch hashes and the build flags, so a
 second call returns at once.
 
+Backends: the CPU (default), Vulkan (`--vulkan`: on a machine without a GPU, Mesa's llvmpipe is a
+Vulkan device that runs on the CPU, the project's test bed for the device path) and CUDA. When
+`ccache` is on PATH every compile goes through it, so a patch edit (a new key, a new work tree)
+recompiles only what the edit touched.
+
 Standard library only: the llama image runs this file as a script in a bare CUDA builder stage.
 """
 
@@ -36,6 +41,8 @@ LLAMA_CPP_COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
 VENDOR_PREFIX = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
 DEFAULT_INDEX = "https://pypi.org/simple"
 CUDA_ARCHITECTURES = "61;75;86;89;90;120"
+BACKENDS = ("cpu", "vulkan", "cuda")
+CCACHE_MAX_SIZE = "5G"
 
 # Offline: no web UI download, no TLS, nothing but the server.
 BASE_CMAKE_FLAGS = (
@@ -56,7 +63,7 @@ class BuildError(Exception):
 
 @dataclass(frozen=True)
 class BuildConfig:
-    backend: str = "cpu"  # "cpu" or "cuda"
+    backend: str = "cpu"  # one of BACKENDS
     cuda_architectures: str = CUDA_ARCHITECTURES
     native: bool = True  # tune for this CPU; images turn it off to run on any host
     extra_flags: tuple[str, ...] = field(default_factory=tuple)
@@ -64,6 +71,8 @@ class BuildConfig:
     def cmake_flags(self) -> list[str]:
         flags = list(BASE_CMAKE_FLAGS)
         flags.append(f"-DGGML_NATIVE={'ON' if self.native else 'OFF'}")
+        if self.backend == "vulkan":
+            flags.append("-DGGML_VULKAN=ON")
         if self.backend == "cuda":
             flags += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={self.cuda_architectures}"]
             # libcuda.so is only a stub in the devel image; the driver provides it at run time.
@@ -250,6 +259,40 @@ def apply_patches(src: Path, patches: list[Path]) -> None:
         log(f"applied {patch.name}")
 
 
+# What the Vulkan backend's CMake needs (find_package(Vulkan COMPONENTS glslc), SPIRV-Headers), by
+# the Debian package that provides it; mesa-vulkan-drivers (llvmpipe) is needed only to run it.
+VULKAN_BUILD_PACKAGES = ("glslc", "libvulkan-dev", "spirv-headers")
+VULKAN_APT_PACKAGES = "glslc libvulkan-dev spirv-headers mesa-vulkan-drivers"
+
+
+def _include_dirs() -> list[Path]:
+    dirs = [Path("/usr/include"), Path("/usr/local/include")]
+    if sdk := os.environ.get("VULKAN_SDK"):
+        dirs.insert(0, Path(sdk) / "include")
+    return dirs
+
+
+def _vulkan_loader_present() -> bool:
+    """The unversioned libvulkan.so that links (libvulkan-dev), not only the runtime's .so.1."""
+    lib_dirs = [Path("/usr/lib") / f"{platform.machine()}-linux-gnu", Path("/usr/lib"), Path("/usr/local/lib")]
+    if sdk := os.environ.get("VULKAN_SDK"):
+        lib_dirs.insert(0, Path(sdk) / "lib")
+    return any((d / "libvulkan.so").exists() for d in lib_dirs)
+
+
+def missing_vulkan_packages() -> list[str]:
+    """The packages of VULKAN_BUILD_PACKAGES this machine lacks, checked before anything compiles."""
+    missing = []
+    if not shutil.which("glslc"):
+        missing.append("glslc")
+    has_hpp = any((d / "vulkan" / "vulkan.hpp").is_file() for d in _include_dirs())
+    if not has_hpp or not _vulkan_loader_present():
+        missing.append("libvulkan-dev")
+    if not any((d / "spirv" / "unified1" / "spirv.hpp").is_file() for d in _include_dirs()):
+        missing.append("spirv-headers")
+    return missing
+
+
 def check_toolchain(config: BuildConfig) -> str | None:
     """Returns the CMake generator to use; raises on a missing tool."""
     if not shutil.which("cmake"):
@@ -259,6 +302,11 @@ def check_toolchain(config: BuildConfig) -> str | None:
         raise BuildError("no C++ compiler found on PATH: install one (e.g. `apt-get install g++`)")
     if config.backend == "cuda" and not shutil.which("nvcc") and not Path("/usr/local/cuda/bin/nvcc").exists():
         raise BuildError("the CUDA backend needs nvcc (the CUDA toolkit); none found")
+    if config.backend == "vulkan" and (missing := missing_vulkan_packages()):
+        raise BuildError(
+            f"the Vulkan backend needs {', '.join(missing)}: install them "
+            f"(e.g. `apt-get install {VULKAN_APT_PACKAGES}`)"
+        )
     if shutil.which("ninja"):
         return "Ninja"
     if shutil.which("make"):
@@ -269,12 +317,39 @@ def check_toolchain(config: BuildConfig) -> str | None:
 _PROGRESS_RE = re.compile(r"^\[(\d+)/(\d+)\]|^\[\s*(\d+)%\]")
 
 
-def run_logged(cmd: list[str], log_path: Path, label: str) -> None:
+def ccache_env(cache: Path, work: Path) -> dict[str, str] | None:
+    """ccache's settings for one build, or None without ccache (or with MOE_L2_CCACHE=0).
+
+    Every build key has its own work tree, so the objects are shared between keys only when the
+    tree's path is left out of the hash: CCACHE_BASEDIR makes the paths under it relative and
+    CCACHE_NOHASHDIR drops the working directory. Release builds carry no debug info, so an object
+    compiled in another tree is byte-identical. A user's own CCACHE_DIR/CCACHE_MAXSIZE win.
+    """
+    if os.environ.get("MOE_L2_CCACHE", "1") == "0" or not shutil.which("ccache"):
+        return None
+    return {
+        "CCACHE_DIR": os.environ.get("CCACHE_DIR") or str(cache / "ccache"),
+        "CCACHE_MAXSIZE": os.environ.get("CCACHE_MAXSIZE") or CCACHE_MAX_SIZE,
+        "CCACHE_BASEDIR": str(work),
+        "CCACHE_NOHASHDIR": "true",
+    }
+
+
+def launcher_flags(config: BuildConfig) -> list[str]:
+    """Compiler launchers for ccache. Not part of cmake_flags(): they do not change the binary, so
+    they stay out of the build key (a machine with and without ccache builds the same key)."""
+    languages = ["C", "CXX", *(["CUDA"] if config.backend == "cuda" else [])]
+    return [f"-DCMAKE_{lang}_COMPILER_LAUNCHER=ccache" for lang in languages]
+
+
+def run_logged(cmd: list[str], log_path: Path, label: str, env: dict[str, str] | None = None) -> None:
     """Runs cmd with its output in log_path and a progress bar from ninja's/make's counters."""
     progress = Progress(label)
     with log_path.open("a") as log_file:
         log_file.write(f"$ {' '.join(cmd)}\n")
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})}
+        )
         assert proc.stdout is not None
         for line in proc.stdout:
             log_file.write(line)
@@ -292,16 +367,26 @@ def run_logged(cmd: list[str], log_path: Path, label: str) -> None:
         raise BuildError(f"{label} failed (exit {rc}); full log: {log_path}")
 
 
-def compile_server(src: Path, build_dir: Path, config: BuildConfig, jobs: int, log_path: Path) -> Path:
+def compile_server(
+    src: Path,
+    build_dir: Path,
+    config: BuildConfig,
+    jobs: int,
+    log_path: Path,
+    ccache: dict[str, str] | None = None,
+) -> Path:
     generator = check_toolchain(config)
     configure = ["cmake", "-S", str(src), "-B", str(build_dir), *config.cmake_flags()]
+    if ccache is not None:
+        configure += launcher_flags(config)
     if generator:
         configure[1:1] = ["-G", generator]
-    run_logged(configure, log_path, "configuring llama.cpp")
+    run_logged(configure, log_path, "configuring llama.cpp", ccache)
     run_logged(
         ["cmake", "--build", str(build_dir), "--target", "llama-server", "-j", str(jobs)],
         log_path,
         "building llama-server",
+        ccache,
     )
     binary = build_dir / "bin" / "llama-server"
     if not binary.is_file():
@@ -353,7 +438,12 @@ def build(
         extract_llama_cpp(archive, src)
         apply_patches(src, patches)
         log_path = work / "build.log"
-        built = compile_server(src, build_dir, config, jobs or os.cpu_count() or 2, log_path)
+        ccache = ccache_env(cache, work)
+        if ccache is not None:
+            log(f"compiling through ccache ({ccache['CCACHE_DIR']}, max {ccache['CCACHE_MAXSIZE']})")
+        started = time.monotonic()
+        built = compile_server(src, build_dir, config, jobs or os.cpu_count() or 2, log_path, ccache)
+        elapsed = time.monotonic() - started
 
         out_dir = binary.parent
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -361,17 +451,20 @@ def build(
         (out_dir / "llama-server.tmp").replace(binary)
         info = {
             "key": key,
+            "backend": config.backend,
             "llama_cpp_commit": LLAMA_CPP_COMMIT,
             "sdist_sha256": SDIST_SHA256,
             "patches": {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in patches},
             "cmake_flags": config.cmake_flags(),
             "machine": platform.machine(),
+            "ccache": ccache is not None,
+            "compile_seconds": round(elapsed, 1),
         }
         (out_dir.parent / "build-info.json").write_text(json.dumps(info, indent=2) + "\n")
         # The tree and objects are 1+ GB; the binary is static and all that is kept.
         if not os.environ.get("MOE_L2_KEEP_BUILD_TREE"):
             shutil.rmtree(work, ignore_errors=True)
-        log(f"built {binary}")
+        log(f"built {binary} in {elapsed:.0f}s")
         return binary
 
 
@@ -381,7 +474,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description="Build llama-server from the pinned llama.cpp source with moe-l2's patches "
         "(cached: a second call returns at once).",
     )
-    parser.add_argument("--cuda", action="store_true", help="build the CUDA backend (needs nvcc)")
+    backend = parser.add_mutually_exclusive_group()
+    backend.add_argument("--cuda", action="store_true", help="build the CUDA backend (needs nvcc)")
+    backend.add_argument(
+        "--vulkan",
+        action="store_true",
+        help="build the Vulkan backend (needs glslc, libvulkan-dev, spirv-headers; "
+        "mesa-vulkan-drivers gives a software device on any machine)",
+    )
     parser.add_argument(
         "--cuda-architectures",
         default=CUDA_ARCHITECTURES,
@@ -401,7 +501,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     config = BuildConfig(
-        backend="cuda" if args.cuda else "cpu",
+        backend="cuda" if args.cuda else "vulkan" if args.vulkan else "cpu",
         cuda_architectures=args.cuda_architectures,
         native=not (args.portable or args.cuda),
     )
