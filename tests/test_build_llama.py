@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -31,6 +32,29 @@ def test_cache_key_changes_with_patches_and_flags(tmp_path: Path) -> None:
     assert cpu != build_mod.build_key(build_mod.BuildConfig(backend="cuda"), patches)
     (tmp_path / "0001-a.patch").write_text("b")
     assert cpu != build_mod.build_key(build_mod.BuildConfig(), build_mod.patch_files(tmp_path))
+    assert cpu != build_mod.build_key(build_mod.BuildConfig(backend="vulkan"), patches)
+
+
+def test_ccache_does_not_change_the_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the launchers go to the configure command only: a machine without ccache builds the same key
+    config = build_mod.BuildConfig(backend="vulkan")
+    launchers = build_mod.launcher_flags(config)
+    assert launchers == ["-DCMAKE_C_COMPILER_LAUNCHER=ccache", "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache"]
+    assert not set(launchers) & set(config.cmake_flags())
+    assert "-DCMAKE_CUDA_COMPILER_LAUNCHER=ccache" in build_mod.launcher_flags(build_mod.BuildConfig(backend="cuda"))
+    monkeypatch.delenv("CCACHE_DIR", raising=False)
+    monkeypatch.delenv("MOE_L2_CCACHE", raising=False)
+    if shutil.which("ccache") is None:
+        assert build_mod.ccache_env(tmp_path, tmp_path / "k.work") is None
+        return
+    env = build_mod.ccache_env(tmp_path, tmp_path / "k.work")
+    assert env is not None
+    # objects are shared between work trees (one per key) only with the tree's path out of the hash
+    assert env["CCACHE_BASEDIR"] == str(tmp_path / "k.work")
+    assert env["CCACHE_NOHASHDIR"] == "true"
+    assert env["CCACHE_DIR"] == str(tmp_path / "ccache")
+    monkeypatch.setenv("MOE_L2_CCACHE", "0")
+    assert build_mod.ccache_env(tmp_path, tmp_path / "k.work") is None
 
 
 @pytest.mark.llama
@@ -112,7 +136,32 @@ def test_patch_that_does_not_apply_is_one_clear_line(tmp_path: Path, llama_binar
     assert lines[0].startswith("error: patch 0001-bogus.patch does not apply to llama.cpp 0c1e570")
 
 
+SERIES = [
+    "0001-routing-telemetry.patch",
+    "0002-hot-set.patch",
+    "0003-domain-tags.patch",
+    "0004-admin-token.patch",
+    "0005-vulkan-headers.patch",
+    "0006-route-trace.patch",
+]
+
+
 def test_patch_series_applies_in_order() -> None:
     names = [p.name for p in build_mod.patch_files(build_mod.default_patches_dir())]
     assert names == sorted(names)
-    assert names[:2] == ["0001-routing-telemetry.patch", "0002-hot-set.patch"]
+    assert names == SERIES
+
+
+def test_every_patch_says_what_and_why() -> None:
+    # one concern per patch, with a header a reviewer can read without the diff
+    patches = build_mod.patch_files(build_mod.default_patches_dir())
+    for i, patch in enumerate(patches, start=1):
+        text = patch.read_text()
+        header, sep, _ = text.partition("\n---\n")
+        assert sep, f"{patch.name}: no '---' line between the message and the diff"
+        subject = re.search(r"^Subject: \[PATCH (\d+)/(\d+)\] (.+)$", header, re.MULTILINE)
+        assert subject, f"{patch.name}: no 'Subject: [PATCH i/n] ...' line"
+        numbered = (int(subject[1]), int(subject[2]))
+        assert numbered == (i, len(patches)), f"{patch.name}: numbered {numbered}, expected {(i, len(patches))}"
+        body = header[subject.end() :].strip()
+        assert len(body.split()) >= 30, f"{patch.name}: the message does not say what the patch does and why"
