@@ -304,7 +304,7 @@ def check_toolchain(config: BuildConfig) -> str | None:
         raise BuildError("the CUDA backend needs nvcc (the CUDA toolkit); none found")
     if config.backend == "vulkan" and (missing := missing_vulkan_packages()):
         raise BuildError(
-            f"the Vulkan backend needs {', '.join(missing)}: install them "
+            f"the Vulkan backend needs {', '.join(missing)}, not found: install the packages "
             f"(e.g. `apt-get install {VULKAN_APT_PACKAGES}`)"
         )
     if shutil.which("ninja"):
@@ -427,10 +427,10 @@ def build(
     if binary.is_file() and not force:
         return binary
 
+    check_toolchain(config)  # a missing tool or package is one line before anything is written
     with file_lock(cache / "llama" / f"{key}.lock"):
         if binary.is_file() and not force:
             return binary
-        check_toolchain(config)
         archive = fetch_sdist(cache)
         work = cache / "llama" / f"{key}.work"
         src, build_dir = work / "src", work / "build"
