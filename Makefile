@@ -6,12 +6,16 @@ PY := $(VENV)/bin/python
 MOE := $(VENV)/bin/moe-l2
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint format bench build-llama demo-model clean help
+ARCH ?= native
+
+.PHONY: install run test lint format bench build-llama build-llama-vulkan check-cuda bench-gpu demo-model clean help
 
 help:
 	@echo "make install   create $(VENV) with moe-l2 and its dev tools"
 	@echo "make run       start the stack locally (MODEL=path.gguf, else a generated demo model)"
-	@echo "make test      run the test suite (builds the patched llama-server on first use)"
+	@echo "make test      run the test suite (builds the CPU and Vulkan llama-servers on first use)"
+	@echo "make check-cuda  compile the CUDA llama-server for ARCH (default: this GPU's, e.g. ARCH=90)"
+	@echo "make bench-gpu   the GPU check: CUDA build, ds-v2-lite shape, offload benchmark"
 	@echo "make lint      ruff check + format check"
 	@echo "make bench     run the benchmarks under bench/ (JSON results in bench/results/)"
 
@@ -28,12 +32,25 @@ $(STAMP): pyproject.toml
 build-llama: $(STAMP)
 	$(MOE) build-llama
 
+# The software GPU (docs/test-bed.md): Mesa's llvmpipe runs the Vulkan backend on the CPU.
+build-llama-vulkan: $(STAMP)
+	$(MOE) build-llama --vulkan
+
+check-cuda: $(STAMP)
+	$(MOE) build-llama --cuda --arch $(ARCH)
+
+bench-gpu: $(STAMP)
+	bench/gpu_check.sh
+
 run: $(STAMP)
 	$(MOE) up $(if $(MODEL),--model $(MODEL))
 
-# The engine is built (or found in the cache) before pytest so its progress is visible.
+# The engines are built (or found in the cache) before pytest so their progress is visible. The
+# Vulkan one needs its packages (docs/test-bed.md): without glslc a developer's run skips its tests,
+# while CI (CI set) builds it anyway, so a missing package is an error there.
 test: $(STAMP)
 	$(MOE) build-llama
+	$(if $(or $(CI),$(shell command -v glslc)),$(MOE) build-llama --vulkan)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
