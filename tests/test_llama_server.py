@@ -1,21 +1,29 @@
-"""The real patched llama-server on the demo MoE model: chat, routing telemetry, hot set.
+"""The real patched llama-server on the demo MoE model: chat, routing telemetry, hot set, and what
+a request may ask of them (closed set of domain tags, admin token).
 
 These tests drive the binary built from the pinned llama.cpp source plus services/llama/patches.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
 import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
+from moe_l2_common.admin import ADMIN_TOKEN_HEADER
 from moe_l2_common.domains import DEFAULT_DOMAINS
+from moe_l2_common.supervisor import Supervisor, free_port
+from moe_l2_llama.service import llama_service_spec
+from moe_l2_llama.settings import LlamaSettings
 
-from .conftest import LlamaServer
+from .conftest import ADMIN_HEADERS, LlamaServer
 
 pytestmark = pytest.mark.llama
 
@@ -80,7 +88,7 @@ def metric(text: str, name: str, domain: str | None = None) -> float:
 
 
 def set_hot_set(server: LlamaServer, domain: str, layers: dict[str, list[int]]) -> dict:
-    resp = server.client.post("/moe/hot-set", json={"domain": domain, "layers": layers})
+    resp = server.client.post("/moe/hot-set", json={"domain": domain, "layers": layers}, headers=ADMIN_HEADERS)
     assert resp.status_code == 200, resp.text
     return resp.json()
 
@@ -296,7 +304,9 @@ def test_bad_hot_set_is_rejected_and_server_keeps_serving(
     llama: LlamaServer, planted: dict, body: str, fragment: str
 ) -> None:
     before = llama.client.get("/moe/hot-set").json()
-    resp = llama.client.post("/moe/hot-set", content=body, headers={"Content-Type": "application/json"})
+    resp = llama.client.post(
+        "/moe/hot-set", content=body, headers={"Content-Type": "application/json", **ADMIN_HEADERS}
+    )
     assert resp.status_code == 400, resp.text
     assert fragment in resp.json()["error"]["message"]
     assert llama.client.get("/moe/hot-set").json()["version"] == before["version"]
@@ -308,3 +318,246 @@ def test_malformed_domain_header_is_rejected(llama: LlamaServer) -> None:
     resp = chat(llama, "hello", domain="bad domain!")
     assert resp.status_code == 400
     assert "X-MoE-Domain" in resp.json()["error"]["message"]
+
+
+def test_pulls_without_reset_accumulate(llama: LlamaServer, planted: dict) -> None:
+    # a pull hands the counts over from the compute side in one swap: a pull without reset must keep
+    # them, later traffic adds to them, and only a reset clears them
+    llama.routing(reset=True)
+    first = chat(llama, domain_prompt(planted, "math", seed=11), domain="math")
+    assert first.status_code == 200, first.text
+    n_first = first.json()["usage"]["prompt_tokens"] + first.json()["usage"]["completion_tokens"] - 1
+    assert llama.routing()["tokens_by_domain"] == {"math": n_first}
+    assert llama.routing()["tokens_by_domain"] == {"math": n_first}
+
+    second = chat(llama, domain_prompt(planted, "logic", seed=11), domain="logic")
+    assert second.status_code == 200, second.text
+    n_second = second.json()["usage"]["prompt_tokens"] + second.json()["usage"]["completion_tokens"] - 1
+    routing = llama.routing(reset=True)
+    assert routing["tokens_by_domain"] == {"math": n_first, "logic": n_second}
+    assert routing["tokens"] == n_first + n_second
+    k = routing["n_expert_used"]
+    assert sum(routing["domains"]["math"]["0"].values()) == n_first * k
+    assert llama.routing()["tokens"] == 0
+
+
+def test_no_count_is_lost_to_concurrent_pulls(llama: LlamaServer, planted: dict) -> None:
+    # the flywheel pulls while slots generate: every token must land in exactly one pull
+    domains = ["codegen", "debug", "translate", "general_qa"]
+    expected: dict[str, int] = {}
+    errors: list[str] = []
+    done = threading.Event()
+    pulled: list[dict] = []
+
+    def worker(domain: str) -> None:
+        with httpx.Client(base_url=llama.url, timeout=120) as client:
+            resp = client.post(
+                "/v1/chat/completions",
+                headers={"X-MoE-Domain": domain},
+                json={
+                    "messages": [{"role": "user", "content": domain_prompt(planted, domain, n_words=40, seed=5)}],
+                    "max_tokens": 32,
+                    "temperature": 0,
+                    "cache_prompt": False,
+                },
+            )
+            if resp.status_code != 200:
+                errors.append(resp.text)
+            else:
+                usage = resp.json()["usage"]
+                expected[domain] = usage["prompt_tokens"] + usage["completion_tokens"] - 1
+
+    def puller() -> None:
+        with httpx.Client(base_url=llama.url, timeout=120, headers=ADMIN_HEADERS) as client:
+            while not done.is_set():
+                resp = client.get("/moe/routing", params={"reset": "1"})
+                resp.raise_for_status()
+                pulled.append(resp.json())
+
+    llama.routing(reset=True)
+    pull_thread = threading.Thread(target=puller)
+    pull_thread.start()
+    workers = [threading.Thread(target=worker, args=(d,)) for d in domains]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    done.set()
+    pull_thread.join()
+    pulled.append(llama.routing(reset=True))
+    assert not errors
+
+    assert len(pulled) > 2, "the pulls did not overlap the generation"
+    totals: dict[str, int] = {}
+    layer0: dict[str, int] = {}
+    for snapshot in pulled:
+        for domain, n in snapshot["tokens_by_domain"].items():
+            totals[domain] = totals.get(domain, 0) + n
+        for domain, layers in snapshot["domains"].items():
+            layer0[domain] = layer0.get(domain, 0) + sum(layers.get("0", {}).values())
+    assert totals == expected
+    k = pulled[-1]["n_expert_used"]
+    assert layer0 == {d: n * k for d, n in expected.items()}
+
+
+# domain tags: a closed set (LLAMA_MOE_DOMAINS, which the `llama` fixture gets from the taxonomy)
+
+
+@pytest.mark.parametrize("tag", ["_global", "_other", "_x", "__"])
+def test_reserved_domain_tag_is_refused(llama: LlamaServer, tag: str) -> None:
+    llama.routing(reset=True)
+    resp = chat(llama, "hello", domain=tag)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert "reserved" in error["message"] and tag in error["message"]
+    assert tag not in llama.routing()["domains"]
+    assert f'domain="{tag}"' not in llama.metrics()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_unknown_domain_tag_is_refused_with_the_valid_ones(llama: LlamaServer, stream: bool) -> None:
+    resp = chat(llama, "hello", domain="gwtest_not_a_domain", stream=stream)
+    assert resp.status_code == 400, resp.text
+    message = resp.json()["error"]["message"]
+    assert "gwtest_not_a_domain" in message
+    for domain in DEFAULT_DOMAINS:
+        assert domain in message
+    assert "gwtest_not_a_domain" not in llama.routing()["domains"]
+    assert 'domain="gwtest_not_a_domain"' not in llama.metrics()
+
+
+def test_untagged_header_is_the_same_as_none(llama: LlamaServer, planted: dict) -> None:
+    llama.routing(reset=True)
+    assert chat(llama, domain_prompt(planted, "math"), domain="untagged").status_code == 200
+    assert set(llama.routing(reset=True)["domains"]) == {"untagged"}
+
+
+# servers started with their own environment or arguments
+
+
+@pytest.fixture(scope="module")
+def start_custom(
+    llama_binary: Path, demo_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[..., LlamaServer]]:
+    """Factory: a llama-server (telemetry on) with extra environment variables or arguments."""
+    supervisor = Supervisor(tmp_path_factory.mktemp("llama-custom-logs"))
+    clients: list[httpx.Client] = []
+
+    def start(name: str, *, env: dict[str, str] | None = None, extra_args: str = "") -> LlamaServer:
+        settings = LlamaSettings(
+            llama_port=free_port(), parallel=2, ctx_size=2048, telemetry=True, threads=2, llama_extra_args=extra_args
+        )
+        spec = llama_service_spec(name, llama_binary, demo_model, settings)
+        running = supervisor.start(dataclasses.replace(spec, env={**spec.env, **(env or {})}))
+        client = httpx.Client(base_url=spec.url, timeout=120)
+        clients.append(client)
+        return LlamaServer(url=spec.url, client=client, log_path=running.log_path)
+
+    yield start
+    for client in clients:
+        client.close()
+    supervisor.stop()
+
+
+def test_without_a_domain_list_distinct_tags_are_capped(start_custom: Callable[..., LlamaServer]) -> None:
+    # run by hand (no LLAMA_MOE_DOMAINS), any well-formed tag is accepted, up to a bound
+    server = start_custom("llama-open-tags", env={"LLAMA_MOE_DOMAINS": "", "LLAMA_MOE_MAX_DOMAINS": "3"})
+    for tag in ("alpha", "beta", "gamma"):
+        assert chat(server, "hello", domain=tag, max_tokens=2).status_code == 200
+    refused = chat(server, "hello", domain="delta", max_tokens=2)
+    assert refused.status_code == 400, refused.text
+    message = refused.json()["error"]["message"]
+    assert "delta" in message and "3" in message and "alpha" in message
+    # the tags already in use and untagged requests still pass; reserved names never do
+    assert chat(server, "hello", domain="beta", max_tokens=2).status_code == 200
+    assert chat(server, "hello", max_tokens=2).status_code == 200
+    assert chat(server, "hello", domain="_global", max_tokens=2).status_code == 400
+    assert set(server.routing()["domains"]) == {"alpha", "beta", "gamma", "untagged"}
+
+
+# admin calls: POST /moe/hot-set and GET /moe/routing?reset=1 need X-MoE-Admin-Token
+
+
+def assert_unauthorized(resp: httpx.Response, fragment: str) -> None:
+    assert resp.status_code == 401, resp.text
+    error = resp.json()["error"]
+    assert error["type"] == "authentication_error" and error["code"] == 401
+    assert fragment in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("headers", "fragment"),
+    [({}, ADMIN_TOKEN_HEADER), ({ADMIN_TOKEN_HEADER: "wrong"}, "invalid"), ({ADMIN_TOKEN_HEADER: ""}, "")],
+)
+def test_admin_calls_refuse_a_missing_or_wrong_token(
+    llama: LlamaServer, planted: dict, headers: dict[str, str], fragment: str
+) -> None:
+    llama.routing(reset=True)
+    assert chat(llama, domain_prompt(planted, "debug"), domain="debug").status_code == 200
+    tokens = llama.routing()["tokens"]
+    assert tokens > 0
+
+    assert_unauthorized(llama.client.get("/moe/routing", params={"reset": "1"}, headers=headers), fragment)
+    assert llama.routing()["tokens"] == tokens, "a refused reset cleared the counts"
+
+    version = llama.client.get("/moe/hot-set").json()["version"]
+    resp = llama.client.post("/moe/hot-set", json={"domain": "debug", "layers": {"0": [1]}}, headers=headers)
+    assert_unauthorized(resp, fragment)
+    assert llama.client.get("/moe/hot-set").json()["version"] == version
+
+
+def test_admin_calls_pass_with_the_token_and_reads_stay_open(llama: LlamaServer, planted: dict) -> None:
+    assert chat(llama, domain_prompt(planted, "debug"), domain="debug").status_code == 200
+    # reads need no token
+    assert llama.client.get("/moe/routing").status_code == 200
+    assert llama.client.get("/moe/routing", params={"reset": "0"}).status_code == 200
+    assert llama.client.get("/moe/hot-set").status_code == 200
+
+    resp = llama.client.get("/moe/routing", params={"reset": "1"}, headers=ADMIN_HEADERS)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["tokens"] > 0
+    assert llama.routing()["tokens"] == 0
+    posted = set_hot_set(llama, "debug", {"0": [1, 2]})
+    assert llama.client.get("/moe/hot-set").json()["version"] == posted["version"]
+    set_hot_set(llama, "none", {})
+
+
+def test_admin_calls_are_refused_without_a_configured_token(start_custom: Callable[..., LlamaServer]) -> None:
+    server = start_custom("llama-no-admin-token", env={"LLAMA_MOE_ADMIN_TOKEN": ""})
+    for headers in ({}, ADMIN_HEADERS, {ADMIN_TOKEN_HEADER: ""}):
+        resp = server.client.get("/moe/routing", params={"reset": "1"}, headers=headers)
+        assert_unauthorized(resp, "admin token not configured")
+        resp = server.client.post("/moe/hot-set", json={"domain": "x", "layers": {}}, headers=headers)
+        assert_unauthorized(resp, "admin token not configured")
+    assert server.client.get("/moe/routing").status_code == 200
+    assert server.client.get("/moe/hot-set").status_code == 200
+
+
+def test_moe_endpoints_with_api_key(start_custom: Callable[..., LlamaServer]) -> None:
+    # llama-server's --api-key guards every endpoint; the /moe/ ones also take the admin token, which
+    # the cache-manager sends instead of an API key, and an admin call always needs the admin token
+    server = start_custom("llama-api-key", extra_args="--api-key test-api-key")
+    api_key = {"Authorization": "Bearer test-api-key"}
+
+    assert server.client.get("/health").status_code == 200
+    assert server.client.get("/moe/routing").status_code == 401
+    assert server.client.get("/moe/hot-set").status_code == 401
+    assert server.client.get("/moe/routing", headers=api_key).status_code == 200
+    assert server.client.get("/moe/routing", headers={ADMIN_TOKEN_HEADER: "wrong"}).status_code == 401
+
+    # the admin token alone: reads and admin calls
+    assert server.client.get("/moe/routing", headers=ADMIN_HEADERS).status_code == 200
+    assert server.client.get("/moe/routing", params={"reset": "1"}, headers=ADMIN_HEADERS).status_code == 200
+    resp = server.client.post("/moe/hot-set", json={"domain": "x", "layers": {}}, headers=ADMIN_HEADERS)
+    assert resp.status_code == 200, resp.text
+
+    # the API key alone is not enough for an admin call
+    assert_unauthorized(server.client.get("/moe/routing", params={"reset": "1"}, headers=api_key), ADMIN_TOKEN_HEADER)
+    resp = server.client.post("/moe/hot-set", json={"domain": "x", "layers": {}}, headers=api_key)
+    assert_unauthorized(resp, ADMIN_TOKEN_HEADER)
+
+    # and the admin token opens nothing outside /moe/
+    body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+    assert server.client.post("/v1/chat/completions", json=body, headers=ADMIN_HEADERS).status_code == 401
+    assert server.client.post("/v1/chat/completions", json=body, headers=api_key).status_code == 200
