@@ -1,25 +1,41 @@
-"""Tokens/s of the patched llama-server with routing telemetry on vs off, measured side by side.
+"""Tokens/s of the patched llama-server with routing telemetry on vs off, while the flywheel pulls.
 
 Two servers run on the same generated MoE model, one with LLAMA_MOE_TELEMETRY=1 and one without;
 requests alternate between them (only one generates at a time) so machine noise hits both alike.
-Throughput comes from llama-server's own timings (decode and prompt processing), medians over runs.
+All along, a puller plays the cache-manager's flywheel: `GET /moe/routing?reset=1` with the admin
+token on every telemetry server, once per `--pull-interval` seconds. A pull must never hold up the
+compute thread, which takes the counters' lock at every MoE layer; on a model of many layers and
+experts a pull that serialised under that lock would show here as lost decode speed. Requests
+rotate over the default domain tags, so the counters hold several tags, as in production.
 
-    python bench/telemetry_overhead.py [--runs 10] [--tokens 128] [--out bench/results/telemetry_overhead.json]
+With `--baseline BINARY` a second build (e.g. the one before a change) runs in the same loop, on
+and off, so before and after are measured side by side on the same machine state. Throughput
+comes from llama-server's own timings (decode and prompt processing), medians over runs.
+
+    python bench/telemetry_overhead.py [--models demo,wide,large] [--runs 21] [--tokens 256]
+        [--pull-interval 1] [--baseline PATH] [--out bench/results/telemetry_overhead.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import secrets
 import statistics
 import sys
 import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
 
+from moe_l2_common.admin import ADMIN_TOKEN_HEADER
 from moe_l2_common.demo_model import DemoModelSpec, load_planted, make_demo_model
+from moe_l2_common.domains import DEFAULT_DOMAINS
 from moe_l2_common.supervisor import Supervisor, free_port
 from moe_l2_llama.service import llama_service_spec
 from moe_l2_llama.settings import LlamaSettings, llama_server_binary
@@ -29,56 +45,166 @@ MODELS = {
     "demo": DemoModelSpec(),
     # wider layers, closer to the per-token work of a real MoE (still far smaller than one)
     "wide": DemoModelSpec(n_embd=512, n_ff=256, n_head=8),
+    # the layer and expert counts of a large MoE (Qwen3-30B-A3B has 48 x 128, top-8): what a pull
+    # has to go through grows with layers x experts x tags
+    "large": DemoModelSpec(n_layer=48, n_expert=128, n_expert_used=8, n_planted=16),
+    # DeepSeek-V3's routed experts (61 layers x 256, top-8): about a million cells with 64 tags
+    "deepseek": DemoModelSpec(n_layer=61, n_expert=256, n_expert_used=8, n_planted=32),
 }
 
 
-def start(supervisor: Supervisor, binary: Path, model: Path, name: str, telemetry: bool, threads: int) -> str:
-    settings = LlamaSettings(llama_port=free_port(), parallel=1, ctx_size=2048, telemetry=telemetry, threads=threads)
-    return supervisor.start(llama_service_spec(name, binary, model, settings)).spec.url
+@dataclass
+class Server:
+    label: str  # "<binary>-<on|off>"
+    url: str
+    telemetry: bool
 
 
-def one_run(client: httpx.Client, url: str, prompt: str, tokens: int) -> tuple[float, float]:
+@dataclass
+class Puller:
+    """The flywheel's pull loop, in a thread: reset=1 on every telemetry server each interval."""
+
+    urls: dict[str, str]
+    token: str
+    interval_s: float
+    latencies_ms: dict[str, list[float]] = field(default_factory=dict)
+    sizes: dict[str, list[int]] = field(default_factory=dict)
+    failures: dict[str, list[str]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in self.urls:
+            self.latencies_ms[name], self.sizes[name], self.failures[name] = [], [], []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="puller", daemon=True)
+
+    def start(self) -> None:
+        if self.urls and self.interval_s > 0:
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=60, headers={ADMIN_TOKEN_HEADER: self.token}) as client:
+            next_at = time.monotonic()
+            while not self._stop.wait(max(0.0, next_at - time.monotonic())):
+                for name, url in self.urls.items():
+                    t0 = time.perf_counter()
+                    try:
+                        resp = client.get(f"{url}/moe/routing", params={"reset": "1"})
+                    except httpx.HTTPError as exc:
+                        self.failures[name].append(repr(exc))
+                        continue
+                    if resp.status_code != 200:
+                        self.failures[name].append(f"{resp.status_code} {resp.text[:200]}")
+                        continue
+                    self.latencies_ms[name].append((time.perf_counter() - t0) * 1000)
+                    self.sizes[name].append(len(resp.content))
+                next_at += self.interval_s
+
+    def summary(self, name: str) -> dict:
+        lat = sorted(self.latencies_ms[name])
+        return {
+            "pulls": len(lat),
+            "failures": len(self.failures[name]),
+            "first_failure": self.failures[name][0] if self.failures[name] else None,
+            "latency_ms_p50": statistics.median(lat) if lat else None,
+            "latency_ms_p99": lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else None,
+            "latency_ms_max": lat[-1] if lat else None,
+            "bytes_median": statistics.median(self.sizes[name]) if self.sizes[name] else None,
+        }
+
+
+def start(
+    supervisor: Supervisor, binary: Path, model: Path, label: str, telemetry: bool, threads: int, token: str
+) -> Server:
+    settings = LlamaSettings(
+        llama_port=free_port(), parallel=1, ctx_size=2048, telemetry=telemetry, threads=threads, admin_token=token
+    )
+    url = supervisor.start(llama_service_spec(f"{model.stem}-{label}", binary, model, settings)).spec.url
+    return Server(label=label, url=url, telemetry=telemetry)
+
+
+def one_run(client: httpx.Client, url: str, prompt: str, tokens: int, tag: str) -> tuple[float, float]:
     body = {"prompt": prompt, "n_predict": tokens, "temperature": 0, "cache_prompt": False, "ignore_eos": True}
-    timings = client.post(f"{url}/completion", json=body).raise_for_status().json()["timings"]
+    resp = client.post(f"{url}/completion", json=body, headers={"X-MoE-Domain": tag})
+    timings = resp.raise_for_status().json()["timings"]
     return timings["predicted_per_second"], timings["prompt_per_second"]
 
 
-def measure(binary: Path, model: Path, prompt: str, runs: int, tokens: int, threads: int, logs: Path) -> dict:
+def measure(
+    binaries: dict[str, Path],
+    model: Path,
+    prompts: dict[str, str],
+    args: argparse.Namespace,
+    logs: Path,
+) -> dict:
+    token = secrets.token_hex(16)
     supervisor = Supervisor(logs)
+    puller: Puller | None = None
     try:
-        urls = {
-            "on": start(supervisor, binary, model, f"{model.stem}-on", True, threads),
-            "off": start(supervisor, binary, model, f"{model.stem}-off", False, threads),
-        }
-        decode: dict[str, list[float]] = {"on": [], "off": []}
-        prompt_tps: dict[str, list[float]] = {"on": [], "off": []}
-        with httpx.Client(timeout=300) as client:
-            for mode in ("on", "off"):  # warm-up
-                one_run(client, urls[mode], prompt, 8)
-            for i in range(runs):
-                order = ("on", "off") if i % 2 == 0 else ("off", "on")
-                for mode in order:
-                    tg, pp = one_run(client, urls[mode], prompt, tokens)
-                    decode[mode].append(tg)
-                    prompt_tps[mode].append(pp)
+        servers = [
+            start(supervisor, binary, model, f"{name}-{mode}", mode == "on", args.threads, token)
+            for name, binary in binaries.items()
+            for mode in ("on", "off")
+        ]
+        decode: dict[str, list[float]] = {s.label: [] for s in servers}
+        prompt_tps: dict[str, list[float]] = {s.label: [] for s in servers}
+        tags = list(DEFAULT_DOMAINS)
+        with httpx.Client(timeout=600) as client:
+            for s in servers:  # warm-up
+                one_run(client, s.url, prompts[tags[0]], 8, tags[0])
+            puller = Puller({s.label: s.url for s in servers if s.telemetry}, token, args.pull_interval)
+            puller.start()
+            for i in range(args.runs):
+                tag = tags[i % len(tags)]
+                # every server in turn, the order rotated each run so none always follows the same one
+                for s in servers[i % len(servers) :] + servers[: i % len(servers)]:
+                    tg, pp = one_run(client, s.url, prompts[tag], args.tokens, tag)
+                    decode[s.label].append(tg)
+                    prompt_tps[s.label].append(pp)
+        puller.stop()
     finally:
+        if puller is not None:
+            puller.stop()
         supervisor.stop()
-    med = {m: statistics.median(v) for m, v in decode.items()}
-    med_pp = {m: statistics.median(v) for m, v in prompt_tps.items()}
-    # Each on/off pair ran back to back: the median of the pairs' ratios cancels slow drifts of a
-    # shared machine better than the ratio of the medians.
-    return {
-        "decode_tokens_per_s": {"on": med["on"], "off": med["off"], "runs": decode},
-        "prompt_tokens_per_s": {"on": med_pp["on"], "off": med_pp["off"], "runs": prompt_tps},
-        "decode_ratio_on_off": paired_ratio(decode),
-        "prompt_ratio_on_off": paired_ratio(prompt_tps),
-        "decode_ratio_of_medians": med["on"] / med["off"],
-        "prompt_ratio_of_medians": med_pp["on"] / med_pp["off"],
-    }
+
+    results = {}
+    for name in binaries:
+        on, off = f"{name}-on", f"{name}-off"
+        pair = {"on": decode[on], "off": decode[off]}
+        pair_pp = {"on": prompt_tps[on], "off": prompt_tps[off]}
+        results[name] = {
+            "decode_tokens_per_s": {
+                "on": statistics.median(pair["on"]),
+                "off": statistics.median(pair["off"]),
+                "runs": pair,
+            },
+            "prompt_tokens_per_s": {
+                "on": statistics.median(pair_pp["on"]),
+                "off": statistics.median(pair_pp["off"]),
+                "runs": pair_pp,
+            },
+            "decode_ratio_on_off": paired_ratio(pair),
+            "prompt_ratio_on_off": paired_ratio(pair_pp),
+            "decode_ratio_of_medians": statistics.median(pair["on"]) / statistics.median(pair["off"]),
+            "prompt_ratio_of_medians": statistics.median(pair_pp["on"]) / statistics.median(pair_pp["off"]),
+            "pulls": puller.summary(on) if puller else None,
+        }
+    return results
 
 
 def paired_ratio(samples: dict[str, list[float]]) -> float:
+    # Each on/off pair ran in the same rotation: the median of the pairs' ratios cancels slow drifts
+    # of a shared machine better than the ratio of the medians.
     return statistics.median(on / off for on, off in zip(samples["on"], samples["off"], strict=True))
+
+
+def build_key(binary: Path) -> str:
+    """The cache key of a cached build (~/.cache/moe-l2/llama/<key>/bin/llama-server), else the path."""
+    return binary.parent.parent.name if binary.parent.name == "bin" else str(binary)
 
 
 def main() -> int:
@@ -87,33 +213,64 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt-words", type=int, default=400, help="prompt length (about one token per word)")
-    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {sorted(MODELS)}")
+    parser.add_argument("--models", default="demo,wide,large", help=f"comma-separated, of {sorted(MODELS)}")
+    parser.add_argument(
+        "--pull-interval", type=float, default=1.0, help="seconds between the flywheel's pulls (0: no puller)"
+    )
+    parser.add_argument(
+        "--baseline", type=Path, help="another llama-server binary (e.g. the build before a change) measured alongside"
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/telemetry_overhead.json"))
     args = parser.parse_args()
 
-    binary = llama_server_binary(LlamaSettings())  # MOE_L2_LLAMA_SERVER, else the cached build
+    binaries = {"current": llama_server_binary(LlamaSettings())}  # MOE_L2_LLAMA_SERVER, else the cached build
+    if args.baseline is not None:
+        if not args.baseline.is_file():
+            parser.error(f"--baseline {args.baseline} does not exist")
+        binaries["baseline"] = args.baseline
     results: dict = {
         "benchmark": "telemetry_overhead",
-        "machine": {"cpu_count": __import__("os").cpu_count(), "platform": platform.platform()},
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "load_avg": os.getloadavg()},
         "runs": args.runs,
         "tokens": args.tokens,
+        "threads": args.threads,
+        "pull_interval_s": args.pull_interval,
+        "binaries": {name: {"path": str(path), "build": build_key(path)} for name, path in binaries.items()},
         "models": {},
     }
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
+            spec = MODELS[name]
             model = Path(tmp) / f"{name}.gguf"
-            make_demo_model(model, seed=0, spec=MODELS[name])
-            words = load_planted(model)["domains"]["codegen"]["words"]
-            prompt = " ".join(words[i % len(words)] for i in range(args.prompt_words))
-            print(f"[{name}] {args.runs} interleaved runs of {args.tokens} tokens ...", file=sys.stderr, flush=True)
-            res = measure(binary, model, prompt, args.runs, args.tokens, args.threads, Path(tmp) / "logs")
-            res["model_bytes"] = model.stat().st_size
-            results["models"][name] = res
+            make_demo_model(model, seed=0, spec=spec)
+            planted = load_planted(model)
+            prompts = {}
+            for tag in DEFAULT_DOMAINS:
+                words = planted["domains"][tag]["words"]
+                prompts[tag] = " ".join(words[i % len(words)] for i in range(args.prompt_words))
             print(
-                f"[{name}] decode tokens/s: on {res['decode_tokens_per_s']['on']:.1f}, "
-                f"off {res['decode_tokens_per_s']['off']:.1f}, ratio on/off {res['decode_ratio_on_off']:.3f}; "
-                f"prompt tokens/s ratio {res['prompt_ratio_on_off']:.3f}"
+                f"[{name}] {spec.n_layer} layers x {spec.n_expert} experts: {args.runs} interleaved runs of "
+                f"{args.tokens} tokens on {len(binaries) * 2} servers ...",
+                file=sys.stderr,
+                flush=True,
             )
+            res = measure(binaries, model, prompts, args, Path(tmp) / "logs")
+            results["models"][name] = {"spec": asdict(spec), "model_bytes": model.stat().st_size, "binaries": res}
+            for binary, r in res.items():
+                pulls = r["pulls"] or {}
+                pull_text = ""
+                if pulls.get("pulls"):
+                    pull_text = (
+                        f"; {pulls['pulls']} pulls, p50 {pulls['latency_ms_p50']:.1f} ms, "
+                        f"max {pulls['latency_ms_max']:.1f} ms"
+                    )
+                print(
+                    f"[{name}] {binary}: decode tokens/s on {r['decode_tokens_per_s']['on']:.1f}, "
+                    f"off {r['decode_tokens_per_s']['off']:.1f}, ratio on/off {r['decode_ratio_on_off']:.3f}; "
+                    f"prompt tokens/s ratio {r['prompt_ratio_on_off']:.3f}{pull_text}"
+                )
+                if pulls.get("failures"):
+                    print(f"[{name}] {binary}: {pulls['failures']} pulls failed: {pulls['first_failure']}")
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
