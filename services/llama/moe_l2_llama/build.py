@@ -34,6 +34,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+try:
+    from . import cuda_toolchain
+except ImportError:  # run as a script (the image's builder stage): the module sits next to this file
+    import cuda_toolchain
+
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 SDIST_NAME = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
@@ -374,9 +379,10 @@ def compile_server(
     jobs: int,
     log_path: Path,
     ccache: dict[str, str] | None = None,
+    toolchain_flags: list[str] | None = None,
 ) -> Path:
     generator = check_toolchain(config)
-    configure = ["cmake", "-S", str(src), "-B", str(build_dir), *config.cmake_flags()]
+    configure = ["cmake", "-S", str(src), "-B", str(build_dir), *config.cmake_flags(), *(toolchain_flags or [])]
     if ccache is not None:
         configure += launcher_flags(config)
     if generator:
@@ -406,6 +412,15 @@ def file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def cuda_flags(cache: Path) -> list[str]:
+    """Where cuBLAS and a libcuda to link against are (fetched or built on first use); not in the
+    build key: they say where things are, not what is built."""
+    try:
+        return cuda_toolchain.cmake_flags(cache)
+    except cuda_toolchain.ToolchainError as exc:
+        raise BuildError(str(exc)) from exc
+
+
 def cached_binary(cache: Path, key: str) -> Path:
     return cache / "llama" / key / "bin" / "llama-server"
 
@@ -431,6 +446,7 @@ def build(
     with file_lock(cache / "llama" / f"{key}.lock"):
         if binary.is_file() and not force:
             return binary
+        toolchain_flags = cuda_flags(cache) if config.backend == "cuda" else []
         archive = fetch_sdist(cache)
         work = cache / "llama" / f"{key}.work"
         src, build_dir = work / "src", work / "build"
@@ -442,7 +458,7 @@ def build(
         if ccache is not None:
             log(f"compiling through ccache ({ccache['CCACHE_DIR']}, max {ccache['CCACHE_MAXSIZE']})")
         started = time.monotonic()
-        built = compile_server(src, build_dir, config, jobs or os.cpu_count() or 2, log_path, ccache)
+        built = compile_server(src, build_dir, config, jobs or os.cpu_count() or 2, log_path, ccache, toolchain_flags)
         elapsed = time.monotonic() - started
 
         out_dir = binary.parent
@@ -483,9 +499,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "mesa-vulkan-drivers gives a software device on any machine)",
     )
     parser.add_argument(
+        "--arch",
         "--cuda-architectures",
+        dest="cuda_architectures",
+        metavar="ARCH",
         default=CUDA_ARCHITECTURES,
-        help=f"CMAKE_CUDA_ARCHITECTURES for --cuda (default {CUDA_ARCHITECTURES})",
+        help=f"CUDA architectures for --cuda: 90, '86;90', or native on a machine with a GPU "
+        f"(default {CUDA_ARCHITECTURES})",
     )
     parser.add_argument(
         "--portable", action="store_true", help="do not tune for this CPU (GGML_NATIVE=OFF), for images"
@@ -500,18 +520,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    config = BuildConfig(
-        backend="cuda" if args.cuda else "vulkan" if args.vulkan else "cpu",
-        cuda_architectures=args.cuda_architectures,
-        native=not (args.portable or args.cuda),
-    )
     try:
+        # Checked against this nvcc before anything is fetched; `native` becomes this GPU's number.
+        arch = cuda_toolchain.resolve_arch(args.cuda_architectures) if args.cuda else args.cuda_architectures
+        config = BuildConfig(
+            backend="cuda" if args.cuda else "vulkan" if args.vulkan else "cpu",
+            cuda_architectures=arch,
+            native=not (args.portable or args.cuda),
+        )
         binary = build(config, cache=args.cache_dir, patches_dir=args.patches_dir, jobs=args.jobs, force=args.force)
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
             shutil.copy2(binary, args.out / "llama-server")
             binary = args.out / "llama-server"
-    except BuildError as exc:
+    except (BuildError, cuda_toolchain.ToolchainError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
