@@ -356,11 +356,16 @@ def run_logged(cmd: list[str], log_path: Path, label: str, env: dict[str, str] |
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})}
         )
         assert proc.stdout is not None
+        outer_total = 0
         for line in proc.stdout:
             log_file.write(line)
             if m := _PROGRESS_RE.match(line):
                 if m.group(1):
-                    progress.update(int(m.group(1)), int(m.group(2)))
+                    # nested builds (the Vulkan shader generator) print their own, smaller counters
+                    done, total = int(m.group(1)), int(m.group(2))
+                    if total >= outer_total:
+                        outer_total = total
+                        progress.update(done, total)
                 else:
                     progress.update(int(m.group(3)), 100)
         rc = proc.wait()
