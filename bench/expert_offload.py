@@ -1,0 +1,842 @@
+"""Where the experts live: decode and prompt tokens/s, and host→device expert bytes per token, for the
+ways llama-server can place a MoE model's experts on a device, side by side in one run.
+
+One llama-server per configuration, all on the same model and device, every one with -ngl 99:
+  a  all-device    everything on the device (only when it fits in the device's free memory)
+  b  cpu-moe       --cpu-moe: the routed experts stay in host memory and are computed on the CPU
+  c  n-cpu-moe     --n-cpu-moe N: the experts of the last layers on the device, N chosen so that the
+                   device holds no more expert bytes than the expert cache's budget (--cache-bytes)
+  d  copy-used     --cpu-moe with GGML_OP_OFFLOAD_MIN_BATCH=1: the scheduler copies the experts each
+                   micro-batch uses to the device and computes them there (the path the cache sits on)
+  e  expert-cache  the expert cache at the same device memory as c: a row that says "not built yet"
+                   until the expert cache (issue 13) exists
+Requests take turns over the servers (one generates at a time, the order rotated each run) so that
+machine noise hits all alike. Every run is two requests per server: the prompt alone (n_predict 1,
+no prompt cache: prompt tokens/s) and then the same prompt with the cache (one token re-evaluated,
+then --tokens decode steps: decode tokens/s).
+
+Host→device expert bytes per token: llama.cpp counts no such thing, so it is *derived* from what is
+measured. ggml's scheduler copies a host-resident expert tensor to the device only for a matrix
+product whose batch (the rows of that layer in the micro-batch) reaches the device's offload
+minimum (GGML_OP_OFFLOAD_MIN_BATCH, 32 by default), and then only the experts that micro-batch
+used. The routing telemetry (GET /moe/routing?reset=1 after each request) gives per layer which
+experts were used and how often; a prompt that fits in one micro-batch is one step, so its distinct
+experts per layer are the experts copied; a decode step has one row, so each count is one copy.
+Copies x the expert's bytes from the GGUF (gate + up + down) / tokens. llama.cpp's padding (at most
+512 bytes per run of consecutive experts) is left out. Activations and the other weights are not
+counted: they are the same in every configuration.
+
+With a route trace (LLAMA_MOE_ROUTE_TRACE, the telemetry patch's test override) every server routes
+exactly the experts DeepSeek-V2-Lite routed on the ESFT prompts; without one the model's own
+(random) router picks them, which the JSON and the table say.
+
+    python bench/expert_offload.py [--backend vulkan|cuda|cpu] [--binary PATH] [--model PATH | --full]
+        [--cache-bytes 50%|4GiB|N] [--configs a,b,c,d,e] [--runs 5] [--tokens 32] [--trace FILE|auto|none]
+        [--out bench/results/expert_offload.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import secrets
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from moe_l2_common.admin import ADMIN_TOKEN_HEADER
+from moe_l2_common.gguf_index import ExpertIndex, GGUFIndexError, load_index
+from moe_l2_common.supervisor import Supervisor, SupervisorError, free_port
+from moe_l2_llama.service import llama_service_spec
+from moe_l2_llama.settings import LlamaSettings
+
+REPO = Path(__file__).resolve().parent.parent
+PATCHES = REPO / "services" / "llama" / "patches"
+BACKENDS = ("vulkan", "cuda", "cpu")
+DEFAULT_OFFLOAD_MIN_BATCH = 32  # ggml-cuda's and ggml-vulkan's default for GGML_OP_OFFLOAD_MIN_BATCH
+ALL_LAYERS = 99  # -ngl 99: every layer's non-expert weights on the device
+DEVICE_MARGIN_BYTES = 1 << 30  # KV cache, compute buffers and the driver's own, per server
+TRACE_ENV = "LLAMA_MOE_ROUTE_TRACE"
+
+# Prompts of ordinary text: the demo tokenizer splits them roughly into words.
+PROMPTS = (
+    "Summarize the following contract clause about liability and indemnification for a client who",
+    "Translate this sentence into English and explain the grammar of each verb form it uses, then",
+    "Classify the intent of the customer message below as refund, complaint, question or praise:",
+    "Write a short story about a lighthouse keeper who finds a message in a bottle on the shore and",
+)
+
+
+class BenchError(Exception):
+    """Bad input or a setup that cannot run; the message is one line for the user."""
+
+
+class Interrupted(Exception):
+    """SIGTERM (a step timeout of bench/gpu_check.sh): stop measuring, report the runs done."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise Interrupted
+
+
+# -- the configurations ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Config:
+    key: str
+    name: str
+    what: str
+
+
+CONFIGS: dict[str, Config] = {
+    c.key: c
+    for c in (
+        Config("a", "all-device", "-ngl 99: everything on the device"),
+        Config("b", "cpu-moe", "-ngl 99 --cpu-moe: experts computed on the CPU"),
+        Config("c", "n-cpu-moe", "-ngl 99 --n-cpu-moe N: the last layers' experts on the device"),
+        Config("d", "copy-used", "-ngl 99 --cpu-moe, GGML_OP_OFFLOAD_MIN_BATCH=1: used experts copied each step"),
+        Config("e", "expert-cache", "the expert cache at the device memory of c"),
+    )
+}
+NOT_BUILT = "not built yet: the expert cache is issue 13"
+
+
+def parse_configs(text: str) -> list[Config]:
+    keys = [k.strip() for k in text.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in CONFIGS]
+    if unknown or not keys:
+        known = ", ".join(f"{c.key} ({c.name})" for c in CONFIGS.values())
+        raise BenchError(f"unknown config {', '.join(unknown) or '(none given)'}; known: {known}")
+    if "b" not in keys:
+        raise BenchError("--configs must include b: the ratios are against stock --cpu-moe")
+    return [CONFIGS[k] for k in dict.fromkeys(keys)]
+
+
+# -- the model's expert bytes and the choice of N --------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """What the benchmark needs of the GGUF: per MoE layer the bytes of one expert (gate+up+down)."""
+
+    n_layer: int
+    n_expert: int
+    n_expert_used: int
+    expert_bytes: dict[int, int]  # MoE layer -> bytes of one expert
+    other_bytes: int  # every tensor that is not a routed expert
+    file_bytes: int
+
+    @classmethod
+    def from_index(cls, index: ExpertIndex) -> ExpertLayout:
+        return cls(
+            n_layer=index.n_layer,
+            n_expert=index.n_expert,
+            n_expert_used=index.n_expert_used,
+            expert_bytes={layer: index.expert_bytes(layer) for layer in index.moe_layers},
+            other_bytes=index.other_bytes,
+            file_bytes=sum(index.file_sizes),
+        )
+
+    def layer_bytes(self, layer: int) -> int:
+        """All the routed experts of one layer (0 for a dense layer)."""
+        return self.expert_bytes.get(layer, 0) * self.n_expert
+
+    @property
+    def routed_bytes(self) -> int:
+        return sum(self.layer_bytes(layer) for layer in self.expert_bytes)
+
+
+def choose_n_cpu_moe(layout: ExpertLayout, cache_bytes: int) -> tuple[int, int]:
+    """(N, device expert bytes): the smallest N for which `--n-cpu-moe N` keeps at most `cache_bytes`
+    of routed experts on the device.
+
+    --n-cpu-moe N keeps the experts of layers 0..N-1 in host memory, so the device holds those of
+    layers N..n_layer-1: walk down from the last layer while the next layer's experts still fit.
+    N = n_layer is --cpu-moe; N = 0 puts every expert on the device.
+    """
+    if cache_bytes < 0:
+        raise BenchError(f"--cache-bytes must be at least 0, not {cache_bytes}")
+    n, used = layout.n_layer, 0
+    for layer in reversed(range(layout.n_layer)):
+        cost = layout.layer_bytes(layer)
+        if used + cost > cache_bytes:
+            break
+        used += cost
+        n = layer
+    return n, used
+
+
+def host_expert_layers(config: Config, layout: ExpertLayout, n_cpu_moe: int) -> list[int]:
+    """The MoE layers whose experts live in host memory under `config`."""
+    if config.key in ("b", "d"):
+        return sorted(layout.expert_bytes)
+    if config.key == "c":
+        return [layer for layer in sorted(layout.expert_bytes) if layer < n_cpu_moe]
+    return []
+
+
+def parse_bytes(text: str, routed_bytes: int) -> int:
+    """`4GiB`, `512M`, `4000000000` or `50%` (of the model's routed expert bytes)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(%|[kKmMgGtT]i?[bB]?|[bB])?\s*", text)
+    if not m:
+        raise BenchError(f"--cache-bytes {text!r} is not a size (e.g. 4GiB, 512M, 50%)")
+    value, unit = float(m[1]), (m[2] or "").lower().rstrip("b")
+    if unit == "%":
+        return int(routed_bytes * value / 100)
+    scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30}
+    if unit not in scale:
+        raise BenchError(f"--cache-bytes {text!r}: unknown unit")
+    return int(value * scale[unit])
+
+
+# -- host→device bytes derived from the routing telemetry -----------------------------------------
+
+Counts = dict[int, dict[int, int]]  # layer -> expert -> activations
+
+
+def merge_domains(routing: Mapping) -> Counts:
+    """GET /moe/routing's `domains: {tag: {layer: {expert: count}}}` summed over the tags."""
+    merged: Counts = {}
+    for layers in routing.get("domains", {}).values():
+        for layer, experts in layers.items():
+            row = merged.setdefault(int(layer), {})
+            for expert, count in experts.items():
+                row[int(expert)] = row.get(int(expert), 0) + int(count)
+    return merged
+
+
+def prompt_step_bytes(
+    counts: Counts, host_layers: list[int], expert_bytes: Mapping[int, int], n_expert_used: int, min_batch: int
+) -> int:
+    """Expert bytes copied host→device for one micro-batch (a prompt that fits in one).
+
+    A layer's matrix product is offloaded only when its batch, the rows of the micro-batch at that
+    layer (sum of counts / top-k; the last layer sees only the output rows), reaches `min_batch`;
+    then each distinct expert the micro-batch used is copied once.
+    """
+    total = 0
+    for layer in host_layers:
+        row = counts.get(layer, {})
+        rows = sum(row.values()) / n_expert_used
+        if rows >= min_batch:
+            total += sum(1 for c in row.values() if c > 0) * expert_bytes[layer]
+    return total
+
+
+def decode_bytes(counts: Counts, host_layers: list[int], expert_bytes: Mapping[int, int], min_batch: int) -> int:
+    """Expert bytes copied host→device over single-token steps: each step's top-k experts are
+    distinct, so every activation is one copy, when a batch of one reaches `min_batch`."""
+    if min_batch > 1:
+        return 0
+    return sum(sum(counts.get(layer, {}).values()) * expert_bytes[layer] for layer in host_layers)
+
+
+# -- device memory ----------------------------------------------------------------------------------
+
+
+def device_free_bytes(backend: str) -> int | None:
+    """Free memory of the device the servers will use: the GPU's (nvidia-smi) for CUDA; host memory
+    for Vulkan, whose llvmpipe device allocates from it (a real Vulkan GPU is not checked); None for
+    the CPU backend, which has no device."""
+    if backend == "cuda":
+        if not shutil.which("nvidia-smi"):
+            raise BenchError("--backend cuda but nvidia-smi is not on PATH: no NVIDIA driver here")
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits", "-i", "0"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if out.returncode != 0 or not out.stdout.strip():
+            raise BenchError(f"nvidia-smi cannot read the GPU's free memory: {out.stderr.strip() or out.stdout}")
+        return int(out.stdout.split()[0]) << 20
+    if backend == "vulkan":
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) << 10
+    return None
+
+
+def device_need(config: Config, layout: ExpertLayout, device_expert_bytes: int) -> int:
+    """A server's device memory, estimated: the non-expert weights, its experts, a margin."""
+    need = layout.other_bytes + DEVICE_MARGIN_BYTES
+    if config.key == "a":
+        need += layout.routed_bytes
+    elif config.key == "c":
+        need += device_expert_bytes
+    elif config.key == "d":
+        # the scheduler's device copy of one layer's expert tensors (whole tensors, used slices filled)
+        need += max(layout.layer_bytes(layer) for layer in layout.expert_bytes)
+    return need
+
+
+_BUFFER_LINE = re.compile(r"\b([A-Za-z_]+\d*(?:_[A-Za-z]+)?) (model|KV|compute|RS) buffer size =\s*([0-9.]+) MiB")
+
+
+def buffer_sizes(log_text: str) -> dict[str, dict[str, int]]:
+    """llama-server's own account of its buffers: {buffer name: {model|KV|compute|RS: bytes}}."""
+    sizes: dict[str, dict[str, int]] = {}
+    for name, kind, mib in _BUFFER_LINE.findall(log_text):
+        by_kind = sizes.setdefault(name, {})
+        size = int(float(mib) * (1 << 20))
+        # a model may have several weight buffers of one type (one per file); a compute or KV buffer
+        # is reported again when it is reallocated, and the last report is the one in use
+        by_kind[kind] = by_kind.get(kind, 0) + size if kind == "model" else size
+    return sizes
+
+
+def is_device_buffer(name: str) -> bool:
+    """CUDA0, Vulkan0: device memory. CPU, CPU_Mapped, CUDA_Host (pinned host memory): not."""
+    return re.fullmatch(r"(CUDA|Vulkan|ROCm|SYCL|Metal)\d+", name) is not None
+
+
+# -- the servers ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Server:
+    config: Config
+    url: str
+    log_path: Path
+    n_cpu_moe: int | None
+    host_layers: list[int]
+    min_batch: int
+    device_expert_bytes: int
+    env: dict[str, str]
+    args: list[str]
+    prompt_tps: list[float] = field(default_factory=list)
+    decode_tps: list[float] = field(default_factory=list)
+    prompt_tokens: list[int] = field(default_factory=list)
+    decode_tokens: list[int] = field(default_factory=list)
+    prompt_h2d: list[int] = field(default_factory=list)  # derived expert bytes per prompt step
+    decode_h2d: list[int] = field(default_factory=list)  # derived expert bytes per decode request
+    decode_steps: list[int] = field(default_factory=list)  # graph evaluations of the decode request
+    reevaluated: list[int] = field(default_factory=list)  # prompt tokens the decode request evaluated (1)
+
+
+def cpu_has_amx() -> bool:
+    try:
+        return "amx_tile" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def trace_patch_present() -> bool:
+    return any(TRACE_ENV in p.read_text(errors="replace") for p in PATCHES.glob("*.patch"))
+
+
+def server_plan(
+    config: Config, n_cpu_moe: int, args: argparse.Namespace
+) -> tuple[list[str], dict[str, str], int | None, int]:
+    """(extra llama-server arguments, extra environment, --n-cpu-moe, offload minimum) of a config."""
+    extra = ["--ubatch-size", str(args.ubatch)]
+    env: dict[str, str] = {}
+    if args.backend == "vulkan":
+        # ggml-vulkan skips CPU-type devices (llvmpipe) unless they are listed
+        env["GGML_VK_VISIBLE_DEVICES"] = os.environ.get("GGML_VK_VISIBLE_DEVICES", "0")
+    if args.trace_file:
+        env[TRACE_ENV] = str(args.trace_file)
+    min_batch = int(os.environ.get("GGML_OP_OFFLOAD_MIN_BATCH", DEFAULT_OFFLOAD_MIN_BATCH))
+    n: int | None = None
+    if config.key in ("b", "d"):
+        extra.append("--cpu-moe")
+    if config.key == "c":
+        n = n_cpu_moe
+    if config.key == "d":
+        min_batch = 1
+    env["GGML_OP_OFFLOAD_MIN_BATCH"] = str(min_batch)
+    return extra, env, n, min_batch
+
+
+def start_server(
+    supervisor: Supervisor,
+    binary: Path,
+    model: Path,
+    config: Config,
+    layout: ExpertLayout,
+    n_cpu_moe: int,
+    device_expert_bytes: int,
+    args: argparse.Namespace,
+    token: str,
+) -> Server:
+    extra, env, n, min_batch = server_plan(config, n_cpu_moe, args)
+    settings = LlamaSettings(
+        llama_port=free_port(),
+        parallel=1,
+        ctx_size=args.ctx,
+        threads=args.threads,
+        telemetry=True,
+        admin_token=token,
+        gpu_layers=ALL_LAYERS,
+        n_cpu_moe=n,
+        llama_extra_args=" ".join(extra),
+    )
+    if "cpu_repack" in LlamaSettings.model_fields:  # the settings decide --no-repack themselves
+        settings.cpu_repack = not args.no_repack
+    spec = llama_service_spec(
+        f"{config.key}-{config.name}", binary, model, settings, start_timeout_s=args.start_timeout
+    )
+    spec.env.update(env)
+    if args.no_repack and "--no-repack" not in spec.argv:
+        spec.argv.append("--no-repack")
+    running = supervisor.start(spec)
+    return Server(
+        config=config,
+        url=running.spec.url,
+        log_path=running.log_path,
+        n_cpu_moe=n,
+        host_layers=host_expert_layers(config, layout, n_cpu_moe),
+        min_batch=min_batch,
+        device_expert_bytes={"a": layout.routed_bytes, "c": device_expert_bytes}.get(config.key, 0),
+        env=env,
+        args=spec.argv[1:],
+    )
+
+
+# -- one run --------------------------------------------------------------------------------------
+
+
+def complete(client: httpx.Client, url: str, prompt: str, n_predict: int, cache_prompt: bool) -> dict:
+    body = {
+        "prompt": prompt,
+        "n_predict": n_predict,
+        "temperature": 0,
+        "cache_prompt": cache_prompt,
+        "ignore_eos": True,
+    }
+    return client.post(f"{url}/completion", json=body).raise_for_status().json()["timings"]
+
+
+def pull_counts(client: httpx.Client, url: str, token: str) -> Counts:
+    resp = client.get(f"{url}/moe/routing", params={"reset": "1"}, headers={ADMIN_TOKEN_HEADER: token})
+    return merge_domains(resp.raise_for_status().json())
+
+
+def one_run(client: httpx.Client, s: Server, prompt: str, layout: ExpertLayout, args: argparse.Namespace) -> None:
+    """The prompt alone, then the same prompt from the cache and --tokens decode steps; each followed
+    by a reset pull, so each pull holds one request's routing."""
+    pull_counts(client, s.url, args.token)  # drop anything before (a warm-up)
+    t = complete(client, s.url, prompt, 1, cache_prompt=False)
+    prompt_counts = pull_counts(client, s.url, args.token)
+    if t["prompt_n"] > args.ubatch:
+        raise BenchError(
+            f"a prompt of {t['prompt_n']} tokens is more than one micro-batch (--ubatch {args.ubatch}): "
+            "the bytes derivation needs one step per prompt; use a shorter --prompt-words"
+        )
+    s.prompt_tps.append(t["prompt_per_second"])
+    s.prompt_tokens.append(t["prompt_n"])
+    s.prompt_h2d.append(
+        prompt_step_bytes(prompt_counts, s.host_layers, layout.expert_bytes, layout.n_expert_used, s.min_batch)
+    )
+
+    t = complete(client, s.url, prompt, args.tokens, cache_prompt=True)
+    counts = pull_counts(client, s.url, args.token)
+    if t["prompt_n"] > 1:
+        # the slot lost the prompt: that step had many rows and the decode derivation counts it wrong
+        print(f"  warning: {s.config.key} re-evaluated {t['prompt_n']} prompt tokens", file=sys.stderr, flush=True)
+    s.reevaluated.append(t["prompt_n"])
+    s.decode_tps.append(t["predicted_per_second"])
+    s.decode_tokens.append(t["predicted_n"])
+    first_moe = min(layout.expert_bytes)
+    s.decode_steps.append(round(sum(counts.get(first_moe, {}).values()) / layout.n_expert_used))
+    s.decode_h2d.append(decode_bytes(counts, s.host_layers, layout.expert_bytes, s.min_batch))
+
+
+def trim_to_complete_runs(servers: list[Server]) -> None:
+    """Keep the runs that every server finished, so that the paired ratios stay paired."""
+    n = min(len(s.decode_h2d) for s in servers)
+    for s in servers:
+        for name in ("prompt_tps", "decode_tps", "prompt_tokens", "decode_tokens", "prompt_h2d", "decode_h2d"):
+            setattr(s, name, getattr(s, name)[:n])
+        s.decode_steps, s.reevaluated = s.decode_steps[:n], s.reevaluated[:n]
+
+
+def rotated(servers: list[Server], i: int) -> Iterator[Server]:
+    k = i % len(servers)
+    yield from servers[k:] + servers[:k]
+
+
+def make_prompt(i: int, words: int) -> str:
+    base = PROMPTS[i % len(PROMPTS)].split()
+    filler = " ".join(PROMPTS).split()
+    return " ".join((base + filler * (words // len(filler) + 1))[:words])
+
+
+# -- results --------------------------------------------------------------------------------------
+
+
+def paired_ratio(xs: list[float], base: list[float]) -> float | None:
+    # each pair ran in the same rotation: the median of the pairs' ratios cancels slow drifts
+    pairs = [x / b for x, b in zip(xs, base, strict=True) if b > 0]
+    return statistics.median(pairs) if pairs else None
+
+
+def median(xs: list[float] | list[int]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def summarize(s: Server, base: Server, log_text: str) -> dict:
+    buffers = buffer_sizes(log_text)
+    device = {name: sum(kinds.values()) for name, kinds in buffers.items() if is_device_buffer(name)}
+    prompt_per_token = [b / n for b, n in zip(s.prompt_h2d, s.prompt_tokens, strict=True) if n]
+    decode_per_token = [b / n for b, n in zip(s.decode_h2d, s.decode_steps, strict=True) if n]
+    return {
+        "config": s.config.name,
+        "what": s.config.what,
+        "status": "measured",
+        "server_args": s.args,
+        "env": s.env,
+        "n_cpu_moe": s.n_cpu_moe,
+        "host_expert_layers": s.host_layers,
+        "offload_min_batch": s.min_batch,
+        "device_expert_bytes": s.device_expert_bytes,
+        "device_buffers_bytes": device,
+        "device_memory_bytes": sum(device.values()) if device else None,
+        "buffers": buffers,
+        "prompt_tokens_per_s": median(s.prompt_tps),
+        "decode_tokens_per_s": median(s.decode_tps),
+        "prompt_ratio_vs_b": paired_ratio(s.prompt_tps, base.prompt_tps),
+        "decode_ratio_vs_b": paired_ratio(s.decode_tps, base.decode_tps),
+        "h2d_expert_bytes_per_token_derived": {
+            "prompt": median(prompt_per_token),
+            "decode": median(decode_per_token),
+        },
+        "runs": {
+            "prompt_tokens_per_s": s.prompt_tps,
+            "decode_tokens_per_s": s.decode_tps,
+            "prompt_tokens": s.prompt_tokens,
+            "decode_tokens": s.decode_tokens,
+            "decode_steps": s.decode_steps,
+            "decode_request_prompt_tokens": s.reevaluated,
+            "prompt_h2d_expert_bytes_derived": s.prompt_h2d,
+            "decode_h2d_expert_bytes_derived": s.decode_h2d,
+        },
+    }
+
+
+def _num(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _mb(x: float | None) -> str:
+    return "-" if x is None else f"{x / 1e6:.2f}"
+
+
+def table(rows: dict[str, dict]) -> str:
+    """The results as a Markdown table; host→device bytes are derived, as the header says."""
+    head = (
+        "| config | placement | device experts MB | device mem MB (llama) | prompt tok/s | vs b | decode tok/s "
+        "| vs b | H2D expert MB/token prompt (derived) | H2D expert MB/token decode (derived) |"
+    )
+    lines = [head, "|" + " --- |" * 10]
+    for key, r in rows.items():
+        if r["status"] != "measured":
+            lines.append(
+                f"| {key} {r['config']} | {r['what']} | {_mb(r.get('device_expert_bytes'))} | - "
+                f"| {r['status']} | - | - | - | - | - |"
+            )
+            continue
+        h2d = r["h2d_expert_bytes_per_token_derived"]
+        n = "" if r["n_cpu_moe"] is None else f" (N={r['n_cpu_moe']})"
+        lines.append(
+            f"| {key} {r['config']} | {r['what'].split(':')[0]}{n} "
+            f"| {_mb(r['device_expert_bytes'])} | {_mb(r['device_memory_bytes'])} "
+            f"| {_num(r['prompt_tokens_per_s'], '.1f')} | {_num(r['prompt_ratio_vs_b'], '.2f')} "
+            f"| {_num(r['decode_tokens_per_s'], '.2f')} | {_num(r['decode_ratio_vs_b'], '.2f')} "
+            f"| {_mb(h2d['prompt'])} | {_mb(h2d['decode'])} |"
+        )
+    return "\n".join(lines)
+
+
+# -- inputs ---------------------------------------------------------------------------------------
+
+
+def resolve_binary(args: argparse.Namespace) -> Path:
+    if args.binary is not None:
+        if not args.binary.is_file():
+            raise BenchError(f"--binary {args.binary} does not exist")
+        if not os.access(args.binary, os.X_OK):
+            raise BenchError(f"--binary {args.binary} is not executable")
+        return args.binary
+    from moe_l2_llama.build import BuildConfig, BuildError, build
+
+    try:
+        config = BuildConfig(backend=args.backend, native=args.backend != "cuda")
+        if args.backend == "cuda":
+            config = BuildConfig(backend="cuda", cuda_architectures=args.cuda_arch, native=False)
+        return build(config)
+    except BuildError as exc:
+        raise BenchError(f"cannot build the {args.backend} llama-server: {exc}") from exc
+
+
+def resolve_model(args: argparse.Namespace, tmp: Path) -> tuple[Path, dict]:
+    if args.model is not None:
+        if not args.model.is_file():
+            raise BenchError(f"--model {args.model} does not exist")
+        return args.model, {"path": str(args.model), "generated": False}
+    from moe_l2_common.model_shapes import DemoModelError, get_shape, write_shape_model
+
+    try:
+        shape = get_shape(args.shape)
+        if not args.full:
+            shape = shape.reduced(args.layers, args.vocab)
+    except ValueError as exc:
+        raise BenchError(str(exc)) from exc
+    path = (args.model_dir or tmp) / f"{shape.name}-{shape.n_layer}l.gguf"
+    print(f"writing the {shape.name} shape ({shape.n_layer} layers) to {path} ...", file=sys.stderr, flush=True)
+    try:
+        result = write_shape_model(path, shape, seed=0, progress=False)
+    except DemoModelError as exc:
+        raise BenchError(str(exc)) from exc
+    info = {"path": str(path), "generated": True, "shape": shape.name, "layers": shape.n_layer}
+    info |= {"vocab": shape.n_vocab, "write_seconds": round(result.seconds, 1)}
+    return path, info
+
+
+def esft_npz() -> Path:
+    """The ESFT routing npz: under MOE_L2_ROUTING_DATA, else ../shared/data/routing beside the repo."""
+    data = Path(os.environ.get("MOE_L2_ROUTING_DATA") or REPO.parent / "shared" / "data" / "routing")
+    return data / "deepseek-ai__ESFT" / "esft_routing_ids_DERIVED.npz"
+
+
+def resolve_trace(args: argparse.Namespace, layout: ExpertLayout, tmp: Path) -> tuple[Path | None, str]:
+    """(the trace file or None, a note for the JSON and the table)."""
+    if args.trace == "none":
+        return None, "the model's own router (--trace none)"
+    present = trace_patch_present()
+    if args.trace != "auto":
+        path = Path(args.trace)
+        if not path.is_file():
+            raise BenchError(f"--trace {path} does not exist")
+        if not present:
+            raise BenchError(f"--trace given but no patch under {PATCHES} implements {TRACE_ENV}")
+        return path.resolve(), f"route trace {path.name} ({TRACE_ENV})"
+    if not present:
+        return None, f"the model's own (random) router: no patch implements {TRACE_ENV} yet"
+    src = esft_npz()
+    if not src.is_file():
+        return None, f"the model's own (random) router: no ESFT routing data at {src} (set MOE_L2_ROUTING_DATA)"
+    out = tmp / "esft.trace"
+    cmd = [sys.executable, "-m", "moe_l2_common.cli", "make-route-trace", "--from", str(src), "--out", str(out)]
+    cmd += ["--layers", str(len(layout.expert_bytes)), "--experts", str(layout.n_expert)]
+    result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if result.returncode != 0 or not out.is_file():
+        why = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        raise BenchError(f"cannot make the ESFT route trace ({why}); pass --trace FILE or --trace none")
+    return out, f"ESFT route trace of DeepSeek-V2-Lite ({TRACE_ENV}, moe-l2 make-route-trace)"
+
+
+def check_fits(configs: list[Config], layout: ExpertLayout, device_expert_c: int, backend: str) -> tuple[list, dict]:
+    """The configs that fit in the device's free memory together; (a) is dropped with a reason when
+    it alone does not fit, any other shortfall is an error."""
+    free = device_free_bytes(backend)
+    skipped: dict[str, str] = {}
+    if free is None:
+        return configs, skipped
+    needs = {c.key: device_need(c, layout, device_expert_c) for c in configs if c.key != "e"}
+    if sum(needs.values()) > free and "a" in needs:
+        skipped["a"] = (
+            f"does not fit: needs about {needs.pop('a') / 1e9:.1f} GB of device memory, "
+            f"{free / 1e9:.1f} GB free beside the other servers"
+        )
+    total = sum(needs.values())
+    if total > free:
+        raise BenchError(
+            f"the model does not fit: the servers need about {total / 1e9:.1f} GB of device memory, "
+            f"{free / 1e9:.1f} GB is free (lower --cache-bytes or use fewer --configs)"
+        )
+    return [c for c in configs if c.key not in skipped], skipped
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", choices=BACKENDS, default=os.environ.get("MOE_L2_BENCH_BACKEND", "vulkan"))
+    parser.add_argument("--binary", type=Path, help="llama-server built with the patches for --backend")
+    parser.add_argument("--cuda-arch", default="90", help="CMAKE_CUDA_ARCHITECTURES when building for cuda")
+    parser.add_argument("--model", type=Path, help="a MoE GGUF (default: generate the --shape)")
+    parser.add_argument("--shape", default="ds-v2-lite")
+    parser.add_argument("--full", action="store_true", help="the whole shape (else --layers and --vocab reduce it)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--model-dir", type=Path, help="where to write the generated model (default: a temp dir)")
+    parser.add_argument("--cache-bytes", default="50%", help="the expert cache's device budget: 4GiB, 512M, 50%%")
+    parser.add_argument("--configs", default="a,b,c,d,e", help="of a,b,c,d,e (b is the baseline)")
+    parser.add_argument("--trace", default="auto", help="a route trace file, auto (ESFT if the patch exists), none")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=16, help="decode tokens per run")
+    parser.add_argument("--prompt-words", type=int, default=96)
+    parser.add_argument("--ubatch", type=int, default=512, help="llama-server --ubatch-size")
+    parser.add_argument("--ctx", type=int, default=2048)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--start-timeout", type=float, default=900.0, help="seconds for a server to load")
+    parser.add_argument(
+        "--repack",
+        dest="no_repack",
+        action="store_false",
+        help="let llama.cpp repack CPU weights (default off on AMX CPUs, where it crashes on these models)",
+    )
+    parser.add_argument("--out", type=Path, default=Path("bench/results/expert_offload.json"))
+    args = parser.parse_args(argv)
+    if args.no_repack:
+        args.no_repack = cpu_has_amx()
+    if args.runs < 1 or args.tokens < 2:
+        parser.error("--runs must be at least 1 and --tokens at least 2")
+    return args
+
+
+# -- main -----------------------------------------------------------------------------------------
+
+
+def measure(
+    binary: Path,
+    model: Path,
+    layout: ExpertLayout,
+    configs: list[Config],
+    n_cpu_moe: int,
+    device_expert_c: int,
+    args: argparse.Namespace,
+    logs: Path,
+) -> tuple[dict[str, Server], dict[str, str]]:
+    supervisor = Supervisor(logs)
+    servers: dict[str, Server] = {}
+    try:
+        for c in configs:
+            if c.key == "e":
+                continue
+            print(f"starting {c.key} ({c.name}) ...", file=sys.stderr, flush=True)
+            t0 = time.monotonic()
+            try:
+                servers[c.key] = start_server(
+                    supervisor, binary, model, c, layout, n_cpu_moe, device_expert_c, args, args.token
+                )
+            except SupervisorError as exc:
+                raise BenchError(f"llama-server for {c.key} ({c.name}) did not start: {exc}".splitlines()[0]) from exc
+            print(f"  {c.key} ready in {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
+        order = list(servers.values())
+        with httpx.Client(timeout=args.start_timeout) as client:
+            for s in order:  # warm-up: every server the same requests, so a trace cursor stays aligned
+                complete(client, s.url, make_prompt(0, 8), 2, cache_prompt=False)
+            try:
+                for i in range(args.runs):
+                    prompt = make_prompt(i, args.prompt_words)
+                    for s in rotated(order, i):
+                        one_run(client, s, prompt, layout, args)
+                    done = ", ".join(f"{s.config.key} {s.decode_tps[-1]:.2f}" for s in order)
+                    print(f"  run {i + 1}/{args.runs}: decode tok/s {done}", file=sys.stderr, flush=True)
+            except (Interrupted, KeyboardInterrupt):
+                args.interrupted = True
+                print("  interrupted: reporting the runs every server finished", file=sys.stderr, flush=True)
+                trim_to_complete_runs(order)
+        logs_text = {k: s.log_path.read_text(errors="replace") for k, s in servers.items()}
+    finally:
+        supervisor.stop()
+    return servers, logs_text
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.token = secrets.token_hex(16)
+    args.interrupted = False
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        configs = parse_configs(args.configs)
+        binary = resolve_binary(args)
+        with tempfile.TemporaryDirectory(prefix="expert-offload-") as tmp_name:
+            tmp = Path(tmp_name)
+            model, model_info = resolve_model(args, tmp)
+            try:
+                layout = ExpertLayout.from_index(load_index(model))
+            except GGUFIndexError as exc:
+                raise BenchError(str(exc)) from exc
+            cache_bytes = parse_bytes(args.cache_bytes, layout.routed_bytes)
+            n_cpu_moe, device_expert_c = choose_n_cpu_moe(layout, cache_bytes)
+            configs, skipped = check_fits(configs, layout, device_expert_c, args.backend)
+            args.trace_file, trace_note = resolve_trace(args, layout, tmp)
+            t0 = time.monotonic()
+            servers, logs = measure(binary, model, layout, configs, n_cpu_moe, device_expert_c, args, tmp / "logs")
+            seconds = time.monotonic() - t0
+    except BenchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except Interrupted:
+        print("error: interrupted (SIGTERM) before any run", file=sys.stderr)
+        return 124
+
+    rows: dict[str, dict] = {}
+    for key in ("a", "b", "c", "d", "e"):
+        c = CONFIGS[key]
+        if key in servers:
+            rows[key] = summarize(servers[key], servers["b"], logs[key])
+        elif key in skipped:
+            rows[key] = {"config": c.name, "what": c.what, "status": skipped[key]}
+        elif key == "e" and any(x.key == "e" for x in configs):
+            rows[key] = {"config": c.name, "what": c.what, "status": NOT_BUILT, "device_expert_bytes": device_expert_c}
+    device_note = {
+        "vulkan": "Vulkan device (llvmpipe when no GPU: device memory is host memory, absolute speeds mean little)",
+        "cuda": "CUDA device 0",
+        "cpu": "no device: the CPU build runs every config on the CPU (checks the plumbing only)",
+    }[args.backend]
+    results = {
+        "benchmark": "expert_offload",
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "load_avg": os.getloadavg()},
+        "backend": args.backend,
+        "device": device_note,
+        "binary": str(binary),
+        "model": model_info
+        | {
+            "n_layer": layout.n_layer,
+            "n_expert": layout.n_expert,
+            "n_expert_used": layout.n_expert_used,
+            "expert_bytes_per_layer": {str(k): v for k, v in layout.expert_bytes.items()},
+            "routed_bytes": layout.routed_bytes,
+            "other_bytes": layout.other_bytes,
+            "file_bytes": layout.file_bytes,
+        },
+        "cache_bytes": cache_bytes,
+        "n_cpu_moe": n_cpu_moe,
+        "routing": trace_note,
+        "no_repack": args.no_repack,
+        "runs": args.runs,
+        "runs_done": len(servers["b"].decode_tps),
+        "interrupted": args.interrupted,
+        "tokens": args.tokens,
+        "prompt_words": args.prompt_words,
+        "ubatch": args.ubatch,
+        "threads": args.threads,
+        "seconds": round(seconds, 1),
+        "h2d_bytes_method": (
+            "derived, not measured: per request, GET /moe/routing?reset=1 gives each layer's expert counts; "
+            "a layer whose experts are in host memory is copied when its rows in the micro-batch reach the "
+            "offload minimum (GGML_OP_OFFLOAD_MIN_BATCH); a prompt (one micro-batch) copies its distinct "
+            "experts, a decode step (one row) each activation; times one expert's bytes from the GGUF; "
+            "llama.cpp's padding (<= 512 B per run of consecutive experts) is left out"
+        ),
+        "configs": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(
+        f"\n{args.backend}: {model_info.get('shape', model.name)}, {layout.n_layer} layers x {layout.n_expert} "
+        f"experts, one expert {max(layout.expert_bytes.values()) / 1e6:.2f} MB; cache budget "
+        f"{cache_bytes / 1e6:.0f} MB -> --n-cpu-moe {n_cpu_moe}; routing: {trace_note}"
+    )
+    print(table(rows))
+    print(f"H2D: host->device expert bytes, derived from the routing telemetry (see h2d_bytes_method in {args.out})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""The pure parts of bench/expert_offload.py: the choice of --n-cpu-moe from the cache budget, the
+host→device bytes derived from routing counts, and its one-line errors. No server, no timing."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from moe_l2_common.gguf_index import load_index
+from moe_l2_common.model_shapes import get_shape, write_shape_model
+
+ROOT = Path(__file__).resolve().parent.parent
+EXPERT = 4_866_048  # one ds-v2-lite expert at Q4 (gate + up Q4_K, down Q4_0): 3 x 2048 x 1408 x 4.5 / 8
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("expert_offload", ROOT / "bench" / "expert_offload.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["expert_offload"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def ds_layout(bench):
+    """The full ds-v2-lite shape's layout: 27 layers, layer 0 dense, 64 experts of EXPERT bytes."""
+    return bench.ExpertLayout(
+        n_layer=27,
+        n_expert=64,
+        n_expert_used=6,
+        expert_bytes=dict.fromkeys(range(1, 27), EXPERT),
+        other_bytes=1_000_000_000,
+        file_bytes=0,
+    )
+
+
+def test_layout_from_a_generated_gguf(bench, tmp_path):
+    path = tmp_path / "ds.gguf"
+    write_shape_model(path, get_shape("ds-v2-lite").reduced(3, 8192), progress=False)
+    layout = bench.ExpertLayout.from_index(load_index(path))
+    assert (layout.n_layer, layout.n_expert, layout.n_expert_used) == (3, 64, 6)
+    assert layout.expert_bytes == {1: EXPERT, 2: EXPERT}
+    assert layout.routed_bytes == 2 * 64 * EXPERT
+    assert layout.layer_bytes(0) == 0  # the dense layer
+
+
+def test_n_cpu_moe_keeps_the_last_layers_that_fit(bench, ds_layout):
+    layer = 64 * EXPERT
+    assert bench.choose_n_cpu_moe(ds_layout, 13 * layer) == (14, 13 * layer)  # layers 14..26 on the device
+    assert bench.choose_n_cpu_moe(ds_layout, 13 * layer - 1) == (15, 12 * layer)  # never over the budget
+    assert bench.choose_n_cpu_moe(ds_layout, layer - 1) == (27, 0)  # nothing fits: --cpu-moe
+    # every expert fits: the dense layer 0 costs nothing, so N reaches 0 (all on the device)
+    assert bench.choose_n_cpu_moe(ds_layout, 26 * layer) == (0, 26 * layer)
+    with pytest.raises(bench.BenchError):
+        bench.choose_n_cpu_moe(ds_layout, -1)
+
+
+def test_cache_bytes_units(bench, ds_layout):
+    routed = ds_layout.routed_bytes
+    assert bench.parse_bytes("50%", routed) == routed // 2
+    assert bench.parse_bytes("4GiB", routed) == 4 << 30
+    assert bench.parse_bytes("512M", routed) == 512_000_000
+    assert bench.parse_bytes("1000", routed) == 1000
+    with pytest.raises(bench.BenchError, match="not a size"):
+        bench.parse_bytes("lots", routed)
+
+
+def test_host_layers_per_config(bench, ds_layout):
+    c = bench.CONFIGS
+    assert bench.host_expert_layers(c["a"], ds_layout, 14) == []
+    assert bench.host_expert_layers(c["b"], ds_layout, 14) == list(range(1, 27))
+    assert bench.host_expert_layers(c["c"], ds_layout, 14) == list(range(1, 14))
+    assert bench.host_expert_layers(c["d"], ds_layout, 14) == list(range(1, 27))
+
+
+def routing(layers: dict[int, dict[int, int]]) -> dict:
+    """A GET /moe/routing answer (string keys, as JSON has them), split over two tags."""
+    half = {str(layer): {str(e): c // 2 for e, c in experts.items()} for layer, experts in layers.items()}
+    rest = {str(layer): {str(e): c - c // 2 for e, c in experts.items()} for layer, experts in layers.items()}
+    return {"n_expert_used": 6, "domains": {"law": half, "untagged": rest}}
+
+
+def test_prompt_step_copies_distinct_experts_of_layers_at_the_offload_batch(bench):
+    # a 40-token prompt: layers 1 and 2 see 40 rows (240 selections over 10 and 8 experts), the last
+    # layer (3) only the output row (6 experts once each)
+    layer1 = {e: 24 for e in range(10)}
+    layer2 = {e: 30 for e in range(8)}
+    layer3 = {e: 1 for e in range(20, 26)}
+    counts = bench.merge_domains(routing({1: layer1, 2: layer2, 3: layer3}))
+    assert counts[1] == layer1 and counts[3] == layer3
+    sizes = {1: 100, 2: 1000, 3: 10_000}
+    # default minimum 32: layers 1 and 2 are copied once per distinct expert; the last layer's single
+    # row stays on the CPU
+    assert bench.prompt_step_bytes(counts, [1, 2, 3], sizes, 6, 32) == 10 * 100 + 8 * 1000
+    # minimum 1: the last layer's 6 experts too
+    assert bench.prompt_step_bytes(counts, [1, 2, 3], sizes, 6, 1) == 10 * 100 + 8 * 1000 + 6 * 10_000
+    # a minimum above the prompt's 40 rows: nothing is copied
+    assert bench.prompt_step_bytes(counts, [1, 2, 3], sizes, 6, 64) == 0
+    # only the layers whose experts are in host memory count (c with layers 2.. on the device)
+    assert bench.prompt_step_bytes(counts, [1], sizes, 6, 32) == 10 * 100
+    assert bench.prompt_step_bytes(counts, [], sizes, 6, 1) == 0
+
+
+def test_decode_copies_every_activation_only_with_a_minimum_of_one(bench):
+    # 16 single-token steps: 96 selections per layer
+    counts = bench.merge_domains(routing({1: {0: 50, 3: 46}, 2: {e: 12 for e in range(8)}}))
+    sizes = {1: 100, 2: 1000}
+    assert bench.decode_bytes(counts, [1, 2], sizes, 32) == 0  # stock --cpu-moe: computed on the CPU
+    assert bench.decode_bytes(counts, [1, 2], sizes, 1) == 96 * 100 + 96 * 1000
+    assert bench.decode_bytes(counts, [2], sizes, 1) == 96 * 1000
+
+
+def test_device_buffers_from_the_server_log(bench):
+    log = "\n".join(
+        [
+            "load_tensors:      Vulkan0 model buffer size =   512.50 MiB",
+            "load_tensors:   CPU_Mapped model buffer size =  1024.00 MiB",
+            "llama_kv_cache:      Vulkan0 KV buffer size =    10.00 MiB",
+            "sched_reserve:      Vulkan0 compute buffer size =    99.00 MiB",
+            "sched_reserve:      Vulkan0 compute buffer size =   100.00 MiB",
+            "sched_reserve:  Vulkan_Host compute buffer size =     4.00 MiB",
+        ]
+    )
+    sizes = bench.buffer_sizes(log)
+    assert sizes["Vulkan0"] == {"model": 537395200, "KV": 10 << 20, "compute": 100 << 20}
+    assert sizes["CPU_Mapped"] == {"model": 1 << 30}
+    assert [n for n in sizes if bench.is_device_buffer(n)] == ["Vulkan0"]
+    assert not bench.is_device_buffer("CUDA_Host") and bench.is_device_buffer("CUDA0")
+
+
+def test_the_expert_cache_row_says_not_built(bench):
+    rows = {"e": {"config": "expert-cache", "what": "x", "status": bench.NOT_BUILT, "device_expert_bytes": 2e9}}
+    text = bench.table(rows)
+    assert "not built yet" in text and "2000.00" in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--configs", "a,z"], "unknown config z"),
+        (["--configs", "a,c"], "must include b"),
+        (["--backend", "cpu", "--binary", "/nonexistent/llama-server"], "--binary /nonexistent/llama-server does not"),
+    ],
+)
+def test_bad_input_is_one_error_line(bench, capsys, argv, message):
+    assert bench.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
+
+
+def test_unknown_backend_is_refused(bench, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--backend", "rocm"])
+    assert "invalid choice: 'rocm'" in capsys.readouterr().err
