@@ -74,6 +74,17 @@ def test_domains_and_health(client: TestClient) -> None:
     health = client.get("/healthz").json()
     assert health["status"] == "ok"
     assert health["tiers"] == ["keyword", "tfidf", "semantic"]
+    assert health["tier_status"] == {"keyword": "ready", "tfidf": "ready", "semantic": "ready"}
+
+
+def test_answers_say_which_tiers_they_came_from(client: TestClient) -> None:
+    sure = client.post("/v1/predict", json={"text": "Solve the equation 3x + 5 = 20 for x"})
+    assert sure.json()["tier"] == "hybrid" and sure.headers["X-MoE-Tiers"] == "keyword,tfidf"  # early exit
+    vague = client.post("/v1/predict", json={"text": "Make it shorter."})
+    assert vague.headers["X-MoE-Tiers"] == "keyword,tfidf,semantic"
+    items = [{"text": "Solve the equation 3x + 5 = 20 for x"}, {"text": "Make it shorter."}]
+    batch = client.post("/v1/predict/batch", json={"items": items})
+    assert batch.headers["X-MoE-Tiers"] == "keyword,tfidf;keyword,tfidf,semantic"
 
 
 def test_metrics(client: TestClient) -> None:

@@ -87,11 +87,57 @@ def test_a_replacement_taxonomy(supervisor: Supervisor, tmp_path: Path) -> None:
     assert set(body["scores"]) == {"chitchat", "cooking"}
 
 
+def semantic_settled(base: str, timeout_s: float = 300) -> dict:
+    """/healthz once the semantic tier is no longer loading (ready or failed)."""
+    deadline = time.monotonic() + timeout_s
+    while (health := httpx.get(f"{base}/healthz", timeout=10).json())["tier_status"]["semantic"] == "loading":
+        assert time.monotonic() < deadline, f"the semantic tier still loading after {timeout_s}s: {health}"
+        time.sleep(0.2)
+    return health
+
+
+def test_it_serves_the_cheap_tiers_while_the_semantic_tier_loads(supervisor: Supervisor, tmp_path: Path) -> None:
+    # A fresh cache: the semantic tier's head is fitted in the background too, so it is still
+    # loading (torch, the encoder, embedding every example: many seconds) once the cheap tiers,
+    # fitted first, answer. Early exit off: once loaded, the semantic tier runs on every prompt.
+    base = start(
+        supervisor, tmp_path / "cache", MOE_L2_PREDICTOR_TIERS="keyword,tfidf,semantic", MOE_L2_PREDICTOR_EARLY_EXIT="1"
+    )
+    health = httpx.get(f"{base}/healthz").json()
+    assert health["tier_status"] == {"keyword": "ready", "tfidf": "ready", "semantic": "loading"}
+    assert health["tiers"] == ["keyword", "tfidf"] and health["semantic_model"] is None
+    resp = httpx.post(f"{base}/v1/predict", json={"text": "write a python function that sorts a list"}, timeout=30)
+    assert resp.status_code == 200
+    assert (resp.json()["domain"], resp.json()["tier"]) == ("codegen", "hybrid")
+    assert resp.headers["X-MoE-Tiers"] == "keyword,tfidf"
+    assert metric(httpx.get(f"{base}/metrics").text, "moe_l2_predictor_tier_ready", tier="semantic") == 0
+
+    health = semantic_settled(base)
+    assert health["tier_status"] == {"keyword": "ready", "tfidf": "ready", "semantic": "ready"}, health
+    assert health["tiers"] == ["keyword", "tfidf", "semantic"] and health["semantic_model"]
+    assert health["unavailable"] == {}
+    batch = httpx.post(
+        f"{base}/v1/predict/batch",
+        json={"items": [{"text": "write a python function that sorts a list"}, {"text": "Make it shorter."}]},
+        timeout=30,
+    )
+    assert batch.json()["results"][0]["domain"] == "codegen"
+    assert batch.headers["X-MoE-Tiers"] == "keyword,tfidf,semantic;keyword,tfidf,semantic"
+    text = httpx.get(f"{base}/metrics").text
+    assert metric(text, "moe_l2_predictor_tier_ready", tier="semantic") == 1
+    assert metric(text, "moe_l2_predictor_tier_runs_total", tier="semantic") == 2
+    log = supervisor.running[-1].log_path.read_text()
+    assert "semantic loading in the background" in log and "semantic tier ready after" in log
+
+
 def test_a_missing_semantic_model_disables_that_tier_only(tmp_path: Path, predictor_cache: Path) -> None:
     settings = PredictorSettings(cache_dir=predictor_cache, semantic_model=tmp_path / "nowhere")
     predictor = Predictor.from_settings(settings)
     assert predictor.tiers == ("keyword", "tfidf")
     assert "semantic" in predictor.describe()["unavailable"]
+    # with the semantic tier alone configured, the keyword tier stands in rather than nothing
+    alone = PredictorSettings(cache_dir=predictor_cache, tiers="semantic", semantic_model=tmp_path / "nowhere")
+    assert Predictor.from_settings(alone).tiers == ("keyword",)
 
 
 def test_unknown_tiers_are_refused() -> None:
@@ -131,11 +177,17 @@ def test_health_shows_names_and_digests_never_host_paths(supervisor: Supervisor,
         MOE_L2_PREDICTOR_TIERS="keyword,semantic",
         MOE_L2_PREDICTOR_SEMANTIC_MODEL=str(private / "no-model-here"),
     )
+    health = semantic_settled(base)  # the model is looked for in the background
     text = httpx.get(f"{base}/healthz").text
-    health = httpx.get(f"{base}/healthz").json()
     assert health["taxonomy"]["name"] == "taxonomy.yaml" and len(health["taxonomy"]["digest"]) == 16
     assert "semantic" in health["unavailable"]  # still says why the tier is off, by name
     assert "no-model-here" in health["unavailable"]["semantic"]
+    assert health["tier_status"]["semantic"] == f"failed: {health['unavailable']['semantic']}"
+    assert health["tiers"] == ["keyword"]  # the cheap tiers keep serving
+    resp = httpx.post(f"{base}/v1/predict", json={"text": "a recipe"}, timeout=30)
+    assert resp.json()["tier"] == "keyword" and resp.headers["X-MoE-Tiers"] == "keyword"
+    log = supervisor.running[-1].log_path.read_text()
+    assert log.count("semantic tier failed to load") == 1, log
     assert str(tmp_path) not in text and "operator-private-dir" not in text
     shipped = start(supervisor, tmp_path / "cache2", MOE_L2_PREDICTOR_TIERS="keyword")
     shipped_text = httpx.get(f"{shipped}/healthz").text

@@ -24,8 +24,9 @@ from moe_l2_common.schemas.predict import (
     PredictResponse,
 )
 from moe_l2_predictor.metrics import PredictorMetrics
-from moe_l2_predictor.predictor import Outcome, Predictor
+from moe_l2_predictor.predictor import Outcome, Predictor, stand_in_tiers
 from moe_l2_predictor.prompt import from_request
+from moe_l2_predictor.semantic_loader import TierStatus, load_semantic_tier, show
 from moe_l2_predictor.settings import PredictorSettings
 
 log = logging.getLogger("moe_l2_predictor")
@@ -34,6 +35,7 @@ Model = TypeVar("Model", bound=BaseModel)
 
 # nginx's "client closed request": the client left before its answer, nobody reads this status
 CLIENT_CLOSED = 499
+TIERS_HEADER = "X-MoE-Tiers"
 
 
 class BadRequest(Exception):
@@ -87,6 +89,21 @@ def record(metrics: PredictorMetrics, outcomes: list[Outcome], total_s: float) -
         metrics.confidence.observe(outcome.response.confidence)
 
 
+def health(predictor: Predictor, status: TierStatus) -> dict[str, Any]:
+    """/healthz: alive and answering with `tiers` (those answering now); `tier_status` says each
+    configured tier's state, `unavailable` why a tier is off."""
+    body: dict[str, Any] = {"status": "ok", **predictor.describe()}
+    body["unavailable"] = {**status.failures(), **body["unavailable"]}
+    body["tier_status"] = dict(status.states)
+    return body
+
+
+def tiers_header(outcomes: list[Outcome]) -> dict[str, str]:
+    """X-MoE-Tiers: the tiers each answer came from (`;` between a batch's answers); the body's
+    `tier` says only `hybrid` when several were combined."""
+    return {TIERS_HEADER: ";".join(",".join(o.tiers_run) for o in outcomes)}
+
+
 def request_body(model: type[BaseModel]) -> dict[str, Any]:
     """The OpenAPI request body of a route that reads its body itself (to bound its size first)."""
     schema = {"$ref": f"#/components/schemas/{model.__name__}"}
@@ -108,23 +125,38 @@ def openapi_document(app: FastAPI, request_models: list[type[BaseModel]]) -> dic
 
 
 def create_app(settings: PredictorSettings | None = None, predictor: Predictor | None = None) -> FastAPI:
-    """The app; the predictor is built in the lifespan (loading or fitting its models) unless given."""
+    """The app. Unless a predictor is given, the lifespan builds one of the cheap tiers, which
+    serves at once, and loads the semantic tier in the background (semantic_loader.py)."""
     settings = settings or PredictorSettings()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if "semantic" in settings.tier_list:
-            import torch
-
-            torch.set_num_threads(settings.threads)
-        ready = predictor or await anyio.to_thread.run_sync(Predictor.from_settings, settings)
-        app.state.predictor = ready
+        # a given predictor's configuration: the tiers it runs and those it had to leave off
+        configured = settings.tier_list if predictor is None else (*predictor.tiers, *predictor.unavailable)
+        later = predictor is None and "semantic" in configured
+        if predictor is not None:
+            serving = predictor
+        elif later:
+            stand_in = stand_in_tiers(configured)
+            serving = await anyio.to_thread.run_sync(lambda: Predictor.build(settings, stand_in))
+        else:
+            serving = await anyio.to_thread.run_sync(Predictor.from_settings, settings)
+        app.state.predictor = serving
+        app.state.tier_status = TierStatus(configured, serving.tiers, serving.unavailable)
         app.state.limiter = anyio.CapacityLimiter(settings.concurrency)
-        metrics = PredictorMetrics()
-        metrics.info.labels(",".join(ready.tiers), ready.taxonomy.digest()[:16]).set(1)
-        app.state.metrics = metrics
-        log.info("predictor ready: tiers %s, taxonomy %s", ",".join(ready.tiers), ready.taxonomy.source)
-        yield
+        app.state.metrics = PredictorMetrics()
+        show(app.state.metrics, serving, app.state.tier_status)
+        log.info(
+            "predictor ready: tiers %s%s, taxonomy %s",
+            ",".join(serving.tiers),
+            " (semantic loading in the background)" if later else "",
+            serving.taxonomy.source,
+        )
+        async with anyio.create_task_group() as tasks:
+            if later:
+                tasks.start_soon(load_semantic_tier, app.state, settings)
+            yield
+            tasks.cancel_scope.cancel()
 
     app = FastAPI(title="moe-l2 predictor", version="0.1.0", lifespan=lifespan)
 
@@ -159,7 +191,7 @@ def create_app(settings: PredictorSettings | None = None, predictor: Predictor |
             [outcome] = await run(request, lambda: predictor.predict_many([prompt]))
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("predict %r -> %s", prompt.main[:80], outcome.response.domain)
-            return JSONResponse(outcome.response.model_dump())
+            return JSONResponse(outcome.response.model_dump(), headers=tiers_header([outcome]))
 
         return await handle(request, "/v1/predict", work)
 
@@ -170,7 +202,8 @@ def create_app(settings: PredictorSettings | None = None, predictor: Predictor |
             prompts = [from_request(item) for item in body.items]
             predictor: Predictor = request.app.state.predictor
             outcomes = await run(request, lambda: predictor.predict_many(prompts)) if prompts else []
-            return JSONResponse(PredictBatchResponse(results=[o.response for o in outcomes]).model_dump())
+            body = PredictBatchResponse(results=[o.response for o in outcomes]).model_dump()
+            return JSONResponse(body, headers=tiers_header(outcomes))
 
         return await handle(request, "/v1/predict/batch", work)
 
@@ -195,7 +228,7 @@ def create_app(settings: PredictorSettings | None = None, predictor: Predictor |
 
     @app.get("/healthz")
     async def healthz(request: Request) -> dict[str, Any]:
-        return {"status": "ok", **request.app.state.predictor.describe()}
+        return health(request.app.state.predictor, request.app.state.tier_status)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

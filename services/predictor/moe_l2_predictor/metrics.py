@@ -45,7 +45,13 @@ class PredictorMetrics:
         )
         self.info = Gauge(
             "moe_l2_predictor_info",
-            "configuration of this process (value 1)",
+            "the tiers answering now and the taxonomy (value 1)",
             ["tiers", "taxonomy"],
+            registry=self.registry,
+        )
+        self.tier_ready = Gauge(
+            "moe_l2_predictor_tier_ready",
+            "1 when the configured tier answers, 0 while it loads in the background or after it failed",
+            ["tier"],
             registry=self.registry,
         )

@@ -36,9 +36,28 @@ Timings = dict[str, float]  # tier -> seconds spent per prompt
 _HOST_PATH = re.compile(r"(?<![\w.~:/])/[^\s'\"`,;:()\[\]{}]+")
 
 
+# What a semantic model that cannot be used raises: package or folder missing, unreadable files.
+SEMANTIC_LOAD_ERRORS = (SemanticUnavailable, OSError)
+
+
 def without_paths(message: str) -> str:
     """The message with every absolute path replaced by its last component."""
     return _HOST_PATH.sub(lambda m: Path(m.group(0).rstrip("/")).name or "/", message)
+
+
+def stand_in_tiers(tiers: tuple[str, ...]) -> tuple[str, ...]:
+    """The tiers that answer while the semantic tier is not (yet) usable: the configured cheap
+    ones, or the keyword tier alone when only the semantic tier was configured (it needs no fit,
+    and an answer beats none)."""
+    return tuple(t for t in tiers if t != "semantic") or ("keyword",)
+
+
+def load_semantic_encoder(settings: PredictorSettings) -> Encoder:
+    """The semantic model (seconds: it imports torch and sentence-transformers), on
+    `settings.threads` torch threads."""
+    encoder = load_encoder(settings.semantic_model)
+    encoder.set_threads(settings.threads)
+    return encoder
 
 
 @dataclass
@@ -85,19 +104,34 @@ class Predictor:
 
     @classmethod
     def from_settings(cls, settings: PredictorSettings, refit: bool = False, cross_validate: bool = False) -> Predictor:
-        """Load the taxonomy and the semantic model, then the cached artefacts (fitting them if missing)."""
-        taxonomy = load_taxonomy(settings.taxonomy_path) if settings.taxonomy_path else load_default_taxonomy()
+        """Every configured tier, loaded now (the CLI's way; the service loads the semantic tier
+        in the background instead, see semantic_loader.py). A semantic model that cannot load
+        disables that tier, logged and shown in /healthz: serving without it beats not serving."""
         tiers = settings.tier_list
-        unavailable: dict[str, str] = {}
-        encoder = None
-        if "semantic" in tiers:
-            try:
-                encoder = load_encoder(settings.semantic_model)
-            except (SemanticUnavailable, OSError) as exc:
-                # Serving without the semantic tier beats not serving; /healthz and the log say so.
-                log.error("semantic tier disabled: %s", exc)
-                unavailable["semantic"] = str(exc)
-                tiers = tuple(t for t in tiers if t != "semantic")
+        if "semantic" not in tiers:
+            return cls.build(settings, tiers, refit=refit, cross_validate=cross_validate)
+        try:
+            encoder = load_semantic_encoder(settings)
+        except SEMANTIC_LOAD_ERRORS as exc:
+            log.error("semantic tier disabled: %s", exc)
+            cheap = stand_in_tiers(tiers)
+            unavailable = {"semantic": str(exc)}
+            return cls.build(settings, cheap, unavailable=unavailable, refit=refit, cross_validate=cross_validate)
+        return cls.build(settings, tiers, encoder, refit=refit, cross_validate=cross_validate)
+
+    @classmethod
+    def build(
+        cls,
+        settings: PredictorSettings,
+        tiers: tuple[str, ...],
+        encoder: Encoder | None = None,
+        unavailable: dict[str, str] | None = None,
+        refit: bool = False,
+        cross_validate: bool = False,
+    ) -> Predictor:
+        """A predictor of `tiers` (the semantic one needs `encoder`): the taxonomy, then the
+        cached artefacts of exactly these tiers (fitted if missing)."""
+        taxonomy = load_taxonomy(settings.taxonomy_path) if settings.taxonomy_path else load_default_taxonomy()
         artefacts = None
         if set(tiers) - {"keyword"}:
             training = training_set(taxonomy, settings.data_path)

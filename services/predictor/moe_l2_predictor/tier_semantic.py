@@ -76,6 +76,10 @@ class Encoder:
         self.model: Any = SentenceTransformer(str(path), device="cpu", local_files_only=True)
         self.model.eval()
 
+    def set_threads(self, threads: int) -> None:
+        """Torch's intra-op threads (process-wide): one per replica scales out, more only oversubscribe."""
+        self._torch.set_num_threads(threads)
+
     def encode(self, texts: list[str], batch_size: int = 32) -> np.ndarray:
         texts = [clip(t, HEAD_CHARS, TAIL_CHARS) or " " for t in texts]
         with self._torch.inference_mode():
