@@ -15,6 +15,7 @@ import yaml
 
 from moe_l2_common.supervisor import ServiceSpec, Supervisor, free_port, http_ok
 from moe_l2_predictor.predictor import Predictor
+from moe_l2_predictor.prompt import from_text
 from moe_l2_predictor.settings import PredictorSettings
 
 pytestmark = pytest.mark.slow
@@ -138,6 +139,21 @@ def test_a_missing_semantic_model_disables_that_tier_only(tmp_path: Path, predic
     # with the semantic tier alone configured, the keyword tier stands in rather than nothing
     alone = PredictorSettings(cache_dir=predictor_cache, tiers="semantic", semantic_model=tmp_path / "nowhere")
     assert Predictor.from_settings(alone).tiers == ("keyword",)
+
+
+def test_the_stand_in_reads_the_full_configurations_artefacts(make_predictor, predictor_cache: Path) -> None:
+    # an image's read-only cache holds only the full configuration's artefacts: the stand-in must
+    # serve from them, not fit its own at every start
+    full = make_predictor("keyword,tfidf,semantic")
+    stand_in = Predictor.stand_in(PredictorSettings(cache_dir=predictor_cache))
+    assert stand_in.tiers == ("keyword", "tfidf") and stand_in.semantic is None
+    assert stand_in.artefacts.key == full.artefacts.key
+    prompt = from_text("why does my program crash with a segmentation fault")
+    cheap = stand_in.predict(prompt).response
+    assert cheap.tier == "hybrid" and cheap.domain == "debug"
+    fresh = Predictor.stand_in(PredictorSettings(cache_dir=predictor_cache / "empty"))
+    assert fresh.artefacts.key != full.artefacts.key  # nothing stored: its own, fitted
+    assert fresh.predict(prompt).response.scores == pytest.approx(cheap.scores, abs=1e-9)
 
 
 def test_unknown_tiers_are_refused() -> None:

@@ -24,7 +24,7 @@ from moe_l2_common.schemas.predict import (
     PredictResponse,
 )
 from moe_l2_predictor.metrics import PredictorMetrics
-from moe_l2_predictor.predictor import Outcome, Predictor, stand_in_tiers
+from moe_l2_predictor.predictor import Outcome, Predictor
 from moe_l2_predictor.prompt import from_request
 from moe_l2_predictor.semantic_loader import TierStatus, load_semantic_tier, show
 from moe_l2_predictor.settings import PredictorSettings
@@ -137,8 +137,7 @@ def create_app(settings: PredictorSettings | None = None, predictor: Predictor |
         if predictor is not None:
             serving = predictor
         elif later:
-            stand_in = stand_in_tiers(configured)
-            serving = await anyio.to_thread.run_sync(lambda: Predictor.build(settings, stand_in))
+            serving = await anyio.to_thread.run_sync(Predictor.stand_in, settings)
         else:
             serving = await anyio.to_thread.run_sync(Predictor.from_settings, settings)
         app.state.predictor = serving

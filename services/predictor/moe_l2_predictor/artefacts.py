@@ -260,6 +260,21 @@ def _load(path: Path, key: str, cross_validate: bool) -> Artefacts | None:
     return art
 
 
+def load_stored(
+    cache_dir: Path, taxonomy: Taxonomy, tiers: tuple[str, ...], model: str | None, extra: Path | None = None
+) -> Artefacts | None:
+    """The stored artefacts of this configuration if there are any; never fits (no lock needed).
+
+    `model` is the semantic model's fingerprint, which can be computed without loading it: the
+    service's stand-in reads the full configuration's artefacts this way (they hold the TF-IDF
+    model and the keyword+TF-IDF combiner too) before the semantic model is loaded."""
+    key = artefact_key(taxonomy, extra, tiers, model)
+    art = _load(cache_dir / f"{key}.pkl", key, cross_validate=False)
+    if art is not None:
+        log.info("loaded fitted artefacts %s", cache_dir / f"{key}.pkl")
+    return art
+
+
 def load_or_fit(
     cache_dir: Path,
     taxonomy: Taxonomy,

@@ -18,13 +18,19 @@ import numpy as np
 
 from moe_l2_common.schemas.predict import PredictResponse
 from moe_l2_common.taxonomy import Taxonomy, load_default_taxonomy, load_taxonomy
-from moe_l2_predictor.artefacts import Artefacts, load_or_fit
+from moe_l2_predictor.artefacts import Artefacts, load_or_fit, load_stored
 from moe_l2_predictor.dataset import calibration_set, training_set
 from moe_l2_predictor.prompt import Prompt
 from moe_l2_predictor.rules import LanguageRules
 from moe_l2_predictor.settings import PredictorSettings
 from moe_l2_predictor.tier_keyword import KeywordTier
-from moe_l2_predictor.tier_semantic import Encoder, SemanticTier, SemanticUnavailable, load_encoder
+from moe_l2_predictor.tier_semantic import (
+    Encoder,
+    SemanticTier,
+    SemanticUnavailable,
+    fingerprint_of,
+    load_encoder,
+)
 from moe_l2_predictor.tier_tfidf import TfidfTier
 
 log = logging.getLogger("moe_l2_predictor")
@@ -148,6 +154,27 @@ class Predictor:
             )
         name = settings.taxonomy_path.name if settings.taxonomy_path else "shipped"
         return cls(taxonomy, tiers, artefacts, encoder, settings.early_exit, unavailable, taxonomy_name=name)
+
+    @classmethod
+    def stand_in(cls, settings: PredictorSettings) -> Predictor:
+        """The cheap tiers of the configuration (see `stand_in_tiers`), ready in the time it takes
+        to read their artefacts: those of the full configuration when they are stored (an image's
+        read-only folder holds only those), else their own, fitted if missing (seconds)."""
+        tiers = stand_in_tiers(settings.tier_list)
+        if tiers == ("keyword",):
+            return cls.build(settings, tiers)
+        taxonomy = load_taxonomy(settings.taxonomy_path) if settings.taxonomy_path else load_default_taxonomy()
+        try:
+            model = fingerprint_of(settings.semantic_model)
+        except SEMANTIC_LOAD_ERRORS:
+            model = None  # the background load will say why; the cheap tiers' own artefacts serve
+        full = None
+        if model is not None:
+            full = load_stored(settings.cache_dir, taxonomy, settings.tier_list, model, settings.data_path)
+        if full is None:
+            return cls.build(settings, tiers)
+        name = settings.taxonomy_path.name if settings.taxonomy_path else "shipped"
+        return cls(taxonomy, tiers, full, None, settings.early_exit, taxonomy_name=name)
 
     @property
     def tier_label(self) -> str:

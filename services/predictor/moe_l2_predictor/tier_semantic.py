@@ -63,15 +63,13 @@ class Encoder:
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
         os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        if not (path / "modules.json").is_file() and not (path / "config.json").is_file():
-            raise SemanticUnavailable(f"no sentence-transformers model in {path}")
+        self.fingerprint = fingerprint_of(path)  # first: a folder without a model fails before torch loads
         try:
             import torch
             from sentence_transformers import SentenceTransformer
         except ImportError as exc:
             raise SemanticUnavailable("the semantic tier needs sentence-transformers and torch") from exc
         self.path = path
-        self.fingerprint = model_fingerprint(path)
         self._torch = torch
         self.model: Any = SentenceTransformer(str(path), device="cpu", local_files_only=True)
         self.model.eval()
@@ -93,6 +91,14 @@ class Encoder:
 def load_encoder(path: Path | None = None) -> Encoder:
     """The encoder for a model folder, loaded once per process (it is read-only once loaded)."""
     return Encoder(path or default_model_path())
+
+
+def fingerprint_of(path: Path | None = None) -> str:
+    """The fingerprint `load_encoder(path)` would have, without importing torch: milliseconds."""
+    path = path or default_model_path()
+    if not (path / "modules.json").is_file() and not (path / "config.json").is_file():
+        raise SemanticUnavailable(f"no sentence-transformers model in {path}")
+    return model_fingerprint(path)
 
 
 def fit_head(embeddings: np.ndarray, labels: list[int]) -> LogisticRegression:
