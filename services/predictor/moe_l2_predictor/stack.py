@@ -1,10 +1,12 @@
 """The predictor's place in `moe-l2 up`: MOE_L2_PREDICTOR_REPLICAS processes (default 1).
 
 Replica i listens on MOE_L2_PREDICTOR_PORT + 100·i (11437, 11537, 11637, ...), clear of the other
-services' ports; `predictor_urls()` is the matching MOE_L2_PREDICTOR_URLS for the gateway. The
-first start fits the models once (the others wait on the cache's file lock), hence the longer
-start timeout. The stack keeps serving without the predictor (the gateway falls back to its keyword
-tier), so a replica in a crash loop is given up without stopping the others.
+services' ports; `predictor_urls()` is the matching MOE_L2_PREDICTOR_URLS for the gateway. A
+replica is healthy once its cheap tiers answer (the semantic tier loads after that, in the
+background); the very first start fits their models first (the others wait on the cache's file
+lock), hence the longer start timeout, kept generous for a slow disk or a large taxonomy. The
+stack keeps serving without the predictor (the gateway falls back to its keyword tier), so a
+replica in a crash loop is given up without stopping the others.
 """
 
 from __future__ import annotations
