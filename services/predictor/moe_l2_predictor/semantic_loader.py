@@ -33,7 +33,7 @@ FAILED = "failed"
 
 
 class TierStatus:
-    """Each configured tier's state, in the canonical order of the tiers."""
+    """Each configured tier's state: ready, loading, or failed: <reason> (no host paths)."""
 
     def __init__(self, configured: tuple[str, ...], serving: tuple[str, ...], unavailable: dict[str, str]) -> None:
         self.states: dict[str, str] = {}
@@ -45,9 +45,6 @@ class TierStatus:
 
     def set(self, tier: str, state: str) -> None:
         self.states[tier] = state  # on the event loop, like every reader
-
-    def loading(self) -> bool:
-        return LOADING in self.states.values()
 
     def failures(self) -> dict[str, str]:
         """Tier -> reason, for the tiers that failed to load."""
