@@ -108,10 +108,10 @@ def gpu_archs(toolkit: Toolkit) -> str | None:
         result = subprocess.run([str(query)], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    archs = sorted(set(result.stdout.strip().replace(",", ";").split(";")) - {""})
+    archs = set(re.split(r"[,;\s]+", result.stdout.strip())) - {""}
     if result.returncode != 0 or not archs or not all(a.isdigit() for a in archs):
         return None
-    return ";".join(archs)
+    return ";".join(sorted(archs, key=int))
 
 
 def resolve_arch(value: str, toolkit: Toolkit | None = None) -> str:
