@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "moe_l2_predictor.train_cli",
         "fit the predictor's tiers (+ --data labeled.jsonl), report accuracy",
     ),
+    "make-route-trace": ("moe_l2_common.route_trace", "convert recorded routing (ESFT npz) into a trace llama replays"),
     "index": ("moe_l2_common.gguf_index", "index a GGUF's routed experts: layers, experts, bytes (--json)"),
     "stats": (
         "moe_l2_common.stats",
