@@ -43,6 +43,8 @@ LAYERS = 4  # layer 0 dense, MoE layers 1..3
 MOE_LAYERS = [1, 2, 3]
 PROMPT = "the court finds that the defendant breached the contract and owes the plaintiff damages"
 TRACE_ENV = "LLAMA_MOE_ROUTE_TRACE"
+# quantized weights crash ggml's AMX path on AMX hosts (docs/model-shapes.md); harmless elsewhere
+NO_REPACK = "--no-repack"
 
 needs_npz = pytest.mark.skipif(not ESFT_NPZ.is_file(), reason=f"{ESFT_NPZ} is not present")
 
@@ -131,7 +133,9 @@ def start_server(llama_binary: Path, model: Path, tmp_path_factory: pytest.TempP
     clients: list[httpx.Client] = []
 
     def start(name: str, trace: Path | None) -> httpx.Client:
-        settings = LlamaSettings(llama_port=free_port(), parallel=1, ctx_size=1024, threads=2, telemetry=True)
+        settings = LlamaSettings(
+            llama_port=free_port(), parallel=1, ctx_size=1024, threads=2, telemetry=True, llama_extra_args=NO_REPACK
+        )
         spec = llama_service_spec(name, llama_binary, model, settings)
         if trace is not None:
             spec = dataclasses.replace(spec, env={**spec.env, TRACE_ENV: str(trace)})
@@ -237,7 +241,9 @@ def test_without_the_trace_the_model_routes_itself(
 
 
 def run_until_exit(llama_binary: Path, model: Path, trace: Path) -> subprocess.CompletedProcess[str]:
-    settings = LlamaSettings(llama_port=free_port(), parallel=1, ctx_size=512, threads=2, telemetry=True)
+    settings = LlamaSettings(
+        llama_port=free_port(), parallel=1, ctx_size=512, threads=2, telemetry=True, llama_extra_args=NO_REPACK
+    )
     env = {**os.environ, **llama_server_env(settings), TRACE_ENV: str(trace)}
     cmd = llama_server_command(llama_binary, model, settings)
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
