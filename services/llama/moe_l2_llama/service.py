@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from moe_l2_common.supervisor import ServiceSpec, http_ok
-from moe_l2_llama.settings import LlamaSettings, llama_server_command, llama_server_env
+from moe_l2_llama.settings import LlamaSettings, device_env, llama_server_command, llama_server_env
 
 
 def llama_service_spec(
@@ -22,7 +22,7 @@ def llama_service_spec(
     return ServiceSpec(
         name=name,
         argv=llama_server_command(binary, model, settings),
-        env=llama_server_env(settings),
+        env={**llama_server_env(settings), **device_env(binary)},
         health=http_ok(f"{base}/health"),
         url=base + url_path,
         start_timeout_s=start_timeout_s,

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shlex
+from functools import cache
 from pathlib import Path
 
 from pydantic import Field
@@ -31,6 +34,11 @@ class LlamaSettings(BaseSettings):
     n_cpu_moe: int | None = Field(default=None, ge=0, description="keep the experts of the first N layers on the CPU")
     gpu_layers: int | None = Field(default=None, description="-ngl; unset leaves llama.cpp's default")
     llama_extra_args: str = Field(default="", description="more llama-server arguments, shell-quoted")
+    cpu_repack: bool | None = Field(
+        default=None,
+        description="let the CPU backend repack weights into its own buffer types; unset: off on CPUs with "
+        "AMX, where the repacked path crashes (see cpu_has_amx), on elsewhere",
+    )
     model_alias: str = Field(
         default="", description="the model name clients see (default: the GGUF's general.name, else the file stem)"
     )
@@ -67,6 +75,9 @@ def llama_server_command(binary: Path, model: Path, settings: LlamaSettings) -> 
         cmd += ["--n-cpu-moe", str(settings.n_cpu_moe)]
     if settings.gpu_layers is not None:
         cmd += ["--gpu-layers", str(settings.gpu_layers)]
+    repack = settings.cpu_repack if settings.cpu_repack is not None else not cpu_has_amx()
+    if not repack:
+        cmd.append("--no-repack")
     # clients see a model name, never the host path llama-server would report as the model id
     cmd += ["--alias", settings.model_alias or model_name(model)]
     cmd += shlex.split(settings.llama_extra_args)
@@ -96,3 +107,49 @@ def llama_server_env(settings: LlamaSettings) -> dict[str, str]:
         "LLAMA_MOE_ADMIN_TOKEN": settings.admin_token or configured_token(),
         "LLAMA_MOE_DOMAINS": ",".join(sorted(known_domains())),
     }
+
+
+@cache
+def cpu_has_amx(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """True on CPUs with AMX (Intel Sapphire Rapids and later), where llama-server needs --no-repack.
+
+    The native CPU build then moves quantized 2-D weights into ggml's AMX buffer type, and that path
+    crashes on Q4_K/Q4_0/Q8_0 models at warm-up (measured when the model shapes were added, on a
+    Xeon with amx_int8, build 0c1e570: a segfault in ggml_backend_amx_mul_mat for a qwen3moe file,
+    GGML_ASSERT(*cur_backend_id != -1) in the scheduler for a deepseek2 one; llama.cpp#20824).
+    --no-repack keeps the weights in the plain CPU buffer and both generate. Without AMX the repacked
+    layouts are sound and faster (an AMD EPYC without AMX serves the same 3-layer ds-v2-lite file
+    with and without the flag), so only AMX CPUs lose them. F16/F32 models never take that path.
+    """
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return "amx_int8" in flags
+
+
+def build_backend(binary: Path) -> str:
+    """The backend a binary was built for, from the build-info.json that `moe-l2 build-llama` writes
+    next to its bin/ ("cpu" for a binary from elsewhere: nothing says otherwise)."""
+    info = binary.parent.parent / "build-info.json"
+    try:
+        data = json.loads(info.read_text())
+    except (OSError, ValueError):
+        return "cpu"
+    if backend := data.get("backend"):
+        return str(backend)
+    return "vulkan" if "-DGGML_VULKAN=ON" in data.get("cmake_flags", []) else "cpu"
+
+
+def device_env(binary: Path) -> dict[str, str]:
+    """Variables that let a GPU build find its device.
+
+    ggml-vulkan skips devices of type CPU (Mesa's llvmpipe, the software GPU of machines without
+    one) unless GGML_VK_VISIBLE_DEVICES names them, and then runs everything on the CPU backend
+    without a word. A Vulkan build therefore gets device 0 unless the environment already chooses:
+    on a machine with several devices, set GGML_VK_VISIBLE_DEVICES yourself.
+    """
+    if build_backend(binary) == "vulkan" and "GGML_VK_VISIBLE_DEVICES" not in os.environ:
+        return {"GGML_VK_VISIBLE_DEVICES": "0"}
+    return {}

@@ -1,0 +1,95 @@
+"""How the service starts llama-server on this machine: --no-repack on AMX CPUs, the Vulkan device."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from moe_l2_common.model_shapes import get_shape, write_shape_model
+from moe_l2_common.supervisor import Supervisor, free_port
+from moe_l2_llama.service import llama_service_spec
+from moe_l2_llama.settings import (
+    LlamaSettings,
+    build_backend,
+    cpu_has_amx,
+    device_env,
+    llama_server_command,
+)
+
+SAPPHIRE_RAPIDS_FLAGS = "fpu vme avx512f avx512_vnni amx_bf16 avx512_fp16 amx_tile amx_int8"
+
+
+def cpuinfo(tmp_path: Path, flags: str) -> Path:
+    path = tmp_path / f"cpuinfo-{len(flags)}"
+    path.write_text(f"processor\t: 0\nmodel name\t: some cpu\nflags\t\t: {flags}\n\nprocessor\t: 1\n")
+    return path
+
+
+def test_amx_is_read_from_the_cpu_flags(tmp_path: Path) -> None:
+    assert cpu_has_amx(cpuinfo(tmp_path, SAPPHIRE_RAPIDS_FLAGS))
+    assert not cpu_has_amx(cpuinfo(tmp_path, "fpu vme avx2 avx512f avx512_vnni"))
+    assert not cpu_has_amx(tmp_path / "missing")
+
+
+@pytest.mark.parametrize("repack", [None, True, False])
+def test_no_repack_follows_the_cpu_unless_set(repack: bool | None) -> None:
+    settings = LlamaSettings(cpu_repack=repack)
+    cmd = llama_server_command(Path("llama-server"), Path("m.gguf"), settings)
+    expected = not cpu_has_amx() if repack is None else repack
+    assert ("--no-repack" not in cmd) == expected
+
+
+def write_info(tmp_path: Path, info: dict) -> Path:
+    binary = tmp_path / "key" / "bin" / "llama-server"
+    binary.parent.mkdir(parents=True)
+    binary.touch()
+    (tmp_path / "key" / "build-info.json").write_text(json.dumps(info))
+    return binary
+
+
+def test_a_vulkan_build_sees_the_software_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GGML_VK_VISIBLE_DEVICES", raising=False)
+    vulkan = write_info(tmp_path / "vk", {"backend": "vulkan", "cmake_flags": ["-DGGML_VULKAN=ON"]})
+    cpu = write_info(tmp_path / "cpu", {"backend": "cpu", "cmake_flags": []})
+    assert build_backend(vulkan) == "vulkan"
+    assert device_env(vulkan) == {"GGML_VK_VISIBLE_DEVICES": "0"}
+    assert device_env(cpu) == {}
+    assert device_env(tmp_path / "elsewhere" / "llama-server") == {}  # no build-info: nothing to add
+    # the environment's own choice wins
+    monkeypatch.setenv("GGML_VK_VISIBLE_DEVICES", "1")
+    assert device_env(vulkan) == {}
+
+
+@pytest.fixture(scope="module")
+def small_ds_v2_lite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    path = tmp_path_factory.mktemp("amx") / "ds-v2-lite-3.gguf"
+    write_shape_model(path, get_shape("ds-v2-lite").reduced(3, 8192), seed=0, progress=False)
+    yield path
+    path.unlink(missing_ok=True)
+
+
+@pytest.mark.llama
+@pytest.mark.slow
+def test_quantized_shape_serves_with_default_settings(
+    llama_binary: Path, small_ds_v2_lite: Path, tmp_path: Path
+) -> None:
+    # On an AMX CPU this is the case that crashed at warm-up before the service added --no-repack
+    # (GGML_ASSERT(*cur_backend_id != -1) for deepseek2); elsewhere it is a plain Q4 model.
+    settings = LlamaSettings(llama_port=free_port(), parallel=1, ctx_size=512, threads=2)
+    supervisor = Supervisor(tmp_path)
+    try:
+        supervisor.start(llama_service_spec("llama-ds", llama_binary, small_ds_v2_lite, settings))
+        base = f"http://{settings.llama_host}:{settings.llama_port}"
+        resp = httpx.post(
+            f"{base}/completion",
+            json={"prompt": "the capital of france is", "n_predict": 4, "temperature": 0, "ignore_eos": True},
+            timeout=120,
+        )
+    finally:
+        supervisor.stop()
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["tokens_predicted"] == 4
