@@ -334,15 +334,23 @@ def cpu_has_amx() -> bool:
         return False
 
 
-def trace_patch_present() -> bool:
-    return any(TRACE_ENV in p.read_text(errors="replace") for p in PATCHES.glob("*.patch"))
+def trace_patch_present(binary: Path) -> bool:
+    """Whether `binary` replays route traces: its build-info.json (next to a cached build) lists the
+    patches it was built with; a binary from elsewhere is judged by the patch folder."""
+    patches = [p for p in PATCHES.glob("*.patch") if TRACE_ENV in p.read_text(errors="replace")]
+    try:
+        built_with = json.loads((binary.parent.parent / "build-info.json").read_text())["patches"]
+    except (OSError, ValueError, KeyError):
+        return bool(patches)
+    return any(p.name in built_with for p in patches)
 
 
 def server_plan(
     config: Config, n_cpu_moe: int, args: argparse.Namespace
 ) -> tuple[list[str], dict[str, str], int | None, int]:
     """(extra llama-server arguments, extra environment, --n-cpu-moe, offload minimum) of a config."""
-    extra = ["--ubatch-size", str(args.ubatch)]
+    # -lv 4: libllama's info lines (its buffer sizes: the device memory each server holds) reach the log
+    extra = ["--ubatch-size", str(args.ubatch), "-lv", "4"]
     env: dict[str, str] = {}
     if args.backend == "vulkan":
         # ggml-vulkan skips CPU-type devices (llvmpipe) unless they are listed
@@ -612,20 +620,20 @@ def esft_npz() -> Path:
     return data / "deepseek-ai__ESFT" / "esft_routing_ids_DERIVED.npz"
 
 
-def resolve_trace(args: argparse.Namespace, layout: ExpertLayout, tmp: Path) -> tuple[Path | None, str]:
+def resolve_trace(args: argparse.Namespace, binary: Path, layout: ExpertLayout, tmp: Path) -> tuple[Path | None, str]:
     """(the trace file or None, a note for the JSON and the table)."""
     if args.trace == "none":
         return None, "the model's own router (--trace none)"
-    present = trace_patch_present()
+    present = trace_patch_present(binary)
     if args.trace != "auto":
         path = Path(args.trace)
         if not path.is_file():
             raise BenchError(f"--trace {path} does not exist")
         if not present:
-            raise BenchError(f"--trace given but no patch under {PATCHES} implements {TRACE_ENV}")
+            raise BenchError(f"--trace given but {binary} was built without the {TRACE_ENV} patch")
         return path.resolve(), f"route trace {path.name} ({TRACE_ENV})"
     if not present:
-        return None, f"the model's own (random) router: no patch implements {TRACE_ENV} yet"
+        return None, f"the model's own (random) router: this llama-server lacks the {TRACE_ENV} patch"
     src = esft_npz()
     if not src.is_file():
         return None, f"the model's own (random) router: no ESFT routing data at {src} (set MOE_L2_ROUTING_DATA)"
@@ -677,11 +685,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--trace", default="auto", help="a route trace file, auto (ESFT if the patch exists), none")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=16, help="decode tokens per run")
-    parser.add_argument("--prompt-words", type=int, default=96)
+    parser.add_argument("--prompt-words", type=int, default=40, help="about 4 tokens each (the shapes' vocabulary)")
     parser.add_argument("--ubatch", type=int, default=512, help="llama-server --ubatch-size")
     parser.add_argument("--ctx", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--start-timeout", type=float, default=900.0, help="seconds for a server to load")
+    parser.add_argument("--request-timeout", type=float, default=900.0, help="seconds for one request")
     parser.add_argument(
         "--repack",
         dest="no_repack",
@@ -726,16 +735,19 @@ def measure(
                 raise BenchError(f"llama-server for {c.key} ({c.name}) did not start: {exc}".splitlines()[0]) from exc
             print(f"  {c.key} ready in {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
         order = list(servers.values())
-        with httpx.Client(timeout=args.start_timeout) as client:
-            for s in order:  # warm-up: every server the same requests, so a trace cursor stays aligned
-                complete(client, s.url, make_prompt(0, 8), 2, cache_prompt=False)
+        with httpx.Client(timeout=args.request_timeout) as client:
             try:
+                for s in order:  # warm-up: every server the same requests, so a trace cursor stays aligned
+                    print(f"  warm-up {s.config.key} ...", file=sys.stderr, flush=True)
+                    complete(client, s.url, make_prompt(0, 8), 2, cache_prompt=False)
                 for i in range(args.runs):
                     prompt = make_prompt(i, args.prompt_words)
                     for s in rotated(order, i):
                         one_run(client, s, prompt, layout, args)
                     done = ", ".join(f"{s.config.key} {s.decode_tps[-1]:.2f}" for s in order)
                     print(f"  run {i + 1}/{args.runs}: decode tok/s {done}", file=sys.stderr, flush=True)
+            except httpx.HTTPError as exc:
+                raise BenchError(f"a request failed: {exc!r} (see the server logs under {logs})") from exc
             except (Interrupted, KeyboardInterrupt):
                 args.interrupted = True
                 print("  interrupted: reporting the runs every server finished", file=sys.stderr, flush=True)
@@ -764,9 +776,11 @@ def main(argv: list[str] | None = None) -> int:
             cache_bytes = parse_bytes(args.cache_bytes, layout.routed_bytes)
             n_cpu_moe, device_expert_c = choose_n_cpu_moe(layout, cache_bytes)
             configs, skipped = check_fits(configs, layout, device_expert_c, args.backend)
-            args.trace_file, trace_note = resolve_trace(args, layout, tmp)
+            args.trace_file, trace_note = resolve_trace(args, binary, layout, tmp)
             t0 = time.monotonic()
-            servers, logs = measure(binary, model, layout, configs, n_cpu_moe, device_expert_c, args, tmp / "logs")
+            log_dir = args.out.parent / f"{args.out.stem}-logs"  # kept: a failed start or request points here
+            shutil.rmtree(log_dir, ignore_errors=True)
+            servers, logs = measure(binary, model, layout, configs, n_cpu_moe, device_expert_c, args, log_dir)
             seconds = time.monotonic() - t0
     except BenchError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -127,7 +127,20 @@ if ! "$PY" -c 'import moe_l2_llama.build, moe_l2_common.gguf_index' 2>>"$LOG"; t
 fi
 say "python: $PY"
 
-# -- 2. the llama-server for this device ----------------------------------------------------------
+# -- 2. the model, written in the background while the server compiles (one core against many) ----
+if [ "$MODE" = llvmpipe ] && [ -z "$LAYERS" ]; then LAYERS=4; fi
+MODEL="$WORK/ds-v2-lite${LAYERS:+-$LAYERS}.gguf"
+SHAPE_ARGS=(--shape ds-v2-lite)
+[ -n "$LAYERS" ] && SHAPE_ARGS+=(--layers "$LAYERS" --vocab 8192)
+MODEL_PID=""
+if [ -f "$MODEL" ]; then
+  say "model: $MODEL (already there)"
+else
+  run_step model 300 "$PY" -m moe_l2_common.cli make-demo-model "${SHAPE_ARGS[@]}" "$MODEL" &
+  MODEL_PID=$!
+fi
+
+# -- 3. the llama-server for this device ----------------------------------------------------------
 if [ -n "$BINARY" ]; then
   [ -x "$BINARY" ] || { say "error: --binary $BINARY is not an executable file"; finish 2; }
 else
@@ -143,21 +156,13 @@ else
   else
     BUILD_ARGS=(--vulkan)
   fi
-  run_step build 420 nice -n 10 "$PY" -m moe_l2_llama.build "${BUILD_ARGS[@]}" -j "$(nproc)" || finish 1
+  run_step build 450 nice -n 10 "$PY" -m moe_l2_llama.build "${BUILD_ARGS[@]}" -j "$(nproc)" || finish 1
   BINARY=$(grep -E '^/.*llama-server$' "$LOG" | tail -1)
   [ -x "$BINARY" ] || { say "error: the build printed no binary path"; finish 1; }
 fi
 say "llama-server: $BINARY"
-
-# -- 3. the model: the full ds-v2-lite shape on a GPU, a reduced one on llvmpipe -------------------
-if [ "$MODE" = llvmpipe ] && [ -z "$LAYERS" ]; then LAYERS=4; fi
-MODEL="$WORK/ds-v2-lite${LAYERS:+-$LAYERS}.gguf"
-SHAPE_ARGS=(--shape ds-v2-lite)
-[ -n "$LAYERS" ] && SHAPE_ARGS+=(--layers "$LAYERS" --vocab 8192)
-if [ -f "$MODEL" ]; then
-  say "model: $MODEL (already there)"
-else
-  run_step model 180 "$PY" -m moe_l2_common.cli make-demo-model "${SHAPE_ARGS[@]}" "$MODEL" || finish 1
+if [ -n "$MODEL_PID" ]; then
+  wait "$MODEL_PID" || { say "error: the model was not written (see $LOG)"; finish 1; }
 fi
 
 # -- 4. the benchmark (it makes the ESFT trace itself when the trace patch exists) -----------------
@@ -172,6 +177,9 @@ if [ "$MODE" = gpu ]; then
 else
   BENCH_ARGS+=(--backend vulkan --runs "${RUNS:-2}" --tokens "${TOKENS:-8}")
 fi
+# GPU_CHECK_BENCH_ARGS: more arguments for the benchmark (e.g. "--prompt-words 10 --configs b,c,d,e")
+read -r -a EXTRA <<<"${GPU_CHECK_BENCH_ARGS:-}"
+BENCH_ARGS+=("${EXTRA[@]}")
 # whatever is left, less a few seconds to write the results; SIGTERM makes it report the runs done
 run_step bench $(($(left) - 10)) "$PY" bench/expert_offload.py "${BENCH_ARGS[@]}"
 rc=$?
