@@ -91,3 +91,27 @@ def llama(start_llama: Callable[..., LlamaServer]) -> LlamaServer:
 def llama_off(start_llama: Callable[..., LlamaServer]) -> LlamaServer:
     """Telemetry off (no eval callback installed)."""
     return start_llama("llama-plain", telemetry=False, parallel=4)
+
+
+# The software GPU (docs/test-bed.md): llama-server's Vulkan backend on Mesa's llvmpipe.
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "vulkan: needs the Vulkan build of llama-server (glslc, libvulkan-dev, ...)")
+
+
+@pytest.fixture(scope="session")
+def vulkan_binary() -> Path:
+    """The Vulkan llama-server, built once and cached (`moe-l2 build-llama --vulkan`), or
+    MOE_L2_VULKAN_LLAMA_SERVER. Without the packages a developer's run skips; CI (CI set) fails, so
+    a CI machine cannot skip the device path."""
+    from moe_l2_llama import build as build_mod
+
+    if env := os.environ.get("MOE_L2_VULKAN_LLAMA_SERVER"):
+        return Path(env)
+    if missing := build_mod.missing_vulkan_packages():
+        reason = f"the Vulkan build needs {', '.join(missing)} (apt-get install {build_mod.VULKAN_APT_PACKAGES})"
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return build_mod.build(build_mod.BuildConfig(backend="vulkan"))

@@ -1,0 +1,204 @@
+"""The software GPU: llama-server's Vulkan backend on Mesa's llvmpipe (docs/test-bed.md).
+
+The device paths an expert cache sits on, run on a machine without a GPU: for each placement the
+Vulkan build's greedy tokens must equal the CPU build's, on the planted demo model (F16) and on a
+reduced `ds-v2-lite` shape (Q4_K/Q4_0 experts, Q8_0 elsewhere, a dense first layer):
+(b) `-ngl 99 --cpu-moe`: everything on the device but the experts, computed on the CPU;
+(c) `-ngl 99 --n-cpu-moe N`, N half the layers: the experts of the first N layers on the CPU;
+(d) (b) with GGML_OP_OFFLOAD_MIN_BATCH=1: the scheduler copies the used experts to the device each
+    step and multiplies them there (the host-buffer path).
+Each server's log must show the llvmpipe device holding weights, else the Vulkan build would have
+fallen back to the CPU without a word and the comparison would prove nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from moe_l2_common.model_shapes import get_shape, write_shape_model
+from moe_l2_common.supervisor import Supervisor, free_port
+from moe_l2_llama import build as build_mod
+from moe_l2_llama.service import llama_service_spec
+from moe_l2_llama.settings import LlamaSettings
+
+DS_LAYERS = 4  # layer 0 dense, MoE layers 1-3: --n-cpu-moe 2 splits the MoE layers 1 / 2
+DS_VOCAB = 8192
+PROMPTS = (
+    "the capital of france is",
+    # over 32 tokens: a prompt batch at or above ggml's default op-offload threshold, so (b) copies
+    # the experts to the device for the prompt, as (d) does for every step
+    "the quick brown fox jumps over the lazy dog while the old man reads his paper by the window "
+    "and the children play in the garden near the river under a bright blue sky in the spring",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    name: str
+    path: Path
+    n_layer: int
+    n_predict: int
+
+
+@pytest.fixture(scope="module")
+def models(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Model]]:
+    shape = get_shape("ds-v2-lite").reduced(DS_LAYERS, DS_VOCAB)
+    ds_path = tmp_path_factory.mktemp("vulkan-models") / "ds-v2-lite-small.gguf"
+    write_shape_model(ds_path, shape, seed=0, progress=False)
+    yield {
+        "demo": Model("demo", demo_model, n_layer=8, n_predict=16),
+        "ds-v2-lite": Model("ds-v2-lite", ds_path, n_layer=DS_LAYERS, n_predict=8),
+    }
+    ds_path.unlink(missing_ok=True)
+
+
+@contextmanager
+def serve(
+    binary: Path, model: Path, settings: LlamaSettings, env: dict[str, str], logs: Path
+) -> Iterator[tuple[httpx.Client, Path]]:
+    supervisor = Supervisor(logs)
+    spec = llama_service_spec(model.stem, binary, model, settings)
+    spec = dataclasses.replace(spec, env={**spec.env, **env})
+    try:
+        running = supervisor.start(spec)
+        with httpx.Client(base_url=spec.url, timeout=300) as client:
+            yield client, running.log_path
+    finally:
+        supervisor.stop()
+
+
+def greedy(client: httpx.Client, n_predict: int) -> list[list[int]]:
+    """The greedy token ids for each prompt; no prompt cache, so each request evaluates its prompt."""
+    out = []
+    for prompt in PROMPTS:
+        resp = client.post(
+            "/completion",
+            json={
+                "prompt": prompt,
+                "n_predict": n_predict,
+                "temperature": 0,
+                "top_k": 1,
+                "ignore_eos": True,
+                "cache_prompt": False,
+                "return_tokens": True,
+            },
+        )
+        resp.raise_for_status()
+        tokens = resp.json()["tokens"]
+        assert len(tokens) == n_predict
+        out.append(tokens)
+    return out
+
+
+def settings(**kwargs: object) -> LlamaSettings:
+    return LlamaSettings(llama_port=free_port(), parallel=1, ctx_size=512, threads=2, **kwargs)  # type: ignore[arg-type]
+
+
+_reference: dict[str, list[list[int]]] = {}
+
+
+def cpu_reference(llama_binary: Path, model: Model, logs: Path) -> list[list[int]]:
+    """The CPU build's greedy tokens, once per model for the module."""
+    if model.name not in _reference:
+        with serve(llama_binary, model.path, settings(), {}, logs) as (client, _):
+            _reference[model.name] = greedy(client, model.n_predict)
+    return _reference[model.name]
+
+
+def placement(case: str, n_layer: int) -> tuple[LlamaSettings, dict[str, str]]:
+    # -lv 4: the loader's lines (device, offloaded layers, buffer sizes) that assert_on_llvmpipe reads
+    if case == "cpu-moe":
+        return settings(gpu_layers=99, llama_extra_args="--cpu-moe -lv 4"), {}
+    if case == "n-cpu-moe-half":
+        return settings(gpu_layers=99, n_cpu_moe=n_layer // 2, llama_extra_args="-lv 4"), {}
+    assert case == "cpu-moe-offload-min-batch-1"
+    return settings(gpu_layers=99, llama_extra_args="--cpu-moe -lv 4"), {"GGML_OP_OFFLOAD_MIN_BATCH": "1"}
+
+
+def assert_on_llvmpipe(log_text: str) -> None:
+    assert "llvmpipe" in log_text, "ggml-vulkan did not find the llvmpipe device"
+    offloaded = re.search(r"offloaded (\d+)/(\d+) layers to GPU", log_text)
+    assert offloaded and int(offloaded[1]) == int(offloaded[2]) > 0, "not every layer went to the device"
+    assert re.search(r"Vulkan0 model buffer size = +[1-9]", log_text), "the device holds no weights"
+
+
+# Measured on 2026-12-02 (docs/test-bed.md): these differ from the CPU build's tokens and the cause
+# (rounding near ties with random weights, or a wrong copy) is not known yet. Not strict: the day
+# they match, the test says so.
+_DIVERGES = pytest.mark.xfail(reason="greedy tokens differ from the CPU build on llvmpipe (under study)", strict=False)
+CASES = [
+    pytest.param("cpu-moe", "demo", id="cpu-moe-demo"),
+    pytest.param("cpu-moe", "ds-v2-lite", id="cpu-moe-ds-v2-lite", marks=_DIVERGES),
+    pytest.param("n-cpu-moe-half", "demo", id="n-cpu-moe-half-demo"),
+    pytest.param("n-cpu-moe-half", "ds-v2-lite", id="n-cpu-moe-half-ds-v2-lite", marks=_DIVERGES),
+    pytest.param("cpu-moe-offload-min-batch-1", "demo", id="cpu-moe-offload-min-batch-1-demo", marks=_DIVERGES),
+    pytest.param("cpu-moe-offload-min-batch-1", "ds-v2-lite", id="cpu-moe-offload-min-batch-1-ds-v2-lite"),
+]
+
+
+@pytest.mark.llama
+@pytest.mark.vulkan
+@pytest.mark.slow
+@pytest.mark.parametrize(("case", "model_name"), CASES)
+def test_greedy_tokens_equal_the_cpu_build(
+    vulkan_binary: Path,
+    llama_binary: Path,
+    models: dict[str, Model],
+    model_name: str,
+    case: str,
+    tmp_path: Path,
+) -> None:
+    model = models[model_name]
+    expected = cpu_reference(llama_binary, model, tmp_path)
+    vk_settings, env = placement(case, model.n_layer)
+    with serve(vulkan_binary, model.path, vk_settings, env, tmp_path) as (client, log_path):
+        got = greedy(client, model.n_predict)
+        log_text = log_path.read_text(errors="replace")
+    assert_on_llvmpipe(log_text)
+    # the experts kept on the CPU (all, or the first N layers') are in a CPU buffer
+    assert re.search(r"CPU(_Mapped|_REPACK)? model buffer size = +[1-9]", log_text)
+    assert got == expected
+
+
+def _bin_without_glslc(tmp_path: Path) -> Path:
+    """A PATH with the interpreter and the compile tools but not glslc: a machine without the package."""
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    (bare / "python").symlink_to(sys.executable)
+    for tool in ("cmake", "ninja", "make", "c++", "g++", "cc", "gcc", "git", "ccache"):
+        if found := shutil.which(tool):
+            (bare / tool).symlink_to(found)
+    return bare
+
+
+def test_vulkan_without_its_packages_is_one_clear_line(tmp_path: Path) -> None:
+    if not shutil.which("cmake") or not (shutil.which("c++") or shutil.which("g++")):
+        pytest.skip("cmake and a C++ compiler are checked first")
+    env = {**os.environ, "PATH": str(_bin_without_glslc(tmp_path)), "MOE_L2_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("VULKAN_SDK", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "moe_l2_common.cli", "build-llama", "--vulkan"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr
+    assert errors[0].startswith("error: the Vulkan backend needs glslc"), errors[0]
+    assert f"apt-get install {build_mod.VULKAN_APT_PACKAGES}" in errors[0]
+    assert "Traceback" not in result.stderr
+    # checked before anything is fetched or compiled
+    assert not (tmp_path / "cache" / "llama").exists()
