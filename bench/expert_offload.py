@@ -739,7 +739,7 @@ def measure(
             try:
                 for s in order:  # warm-up: every server the same requests, so a trace cursor stays aligned
                     print(f"  warm-up {s.config.key} ...", file=sys.stderr, flush=True)
-                    complete(client, s.url, make_prompt(0, 8), 2, cache_prompt=False)
+                    complete(client, s.url, make_prompt(0, min(8, args.prompt_words)), 2, cache_prompt=False)
                 for i in range(args.runs):
                     prompt = make_prompt(i, args.prompt_words)
                     for s in rotated(order, i):
@@ -849,7 +849,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(table(rows))
     print(f"H2D: host->device expert bytes, derived from the routing telemetry (see h2d_bytes_method in {args.out})")
-    return 0
+    return 124 if args.interrupted else 0  # as timeout(1) says it: the table holds only the runs done
 
 
 if __name__ == "__main__":
