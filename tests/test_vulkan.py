@@ -133,10 +133,10 @@ def assert_on_llvmpipe(log_text: str) -> None:
     assert re.search(r"Vulkan0 model buffer size = +[1-9]", log_text), "the device holds no weights"
 
 
-# Measured on 2026-12-02 (docs/test-bed.md): these differ from the CPU build's tokens and the cause
-# (rounding near ties with random weights, or a wrong copy) is not known yet. Not strict: the day
-# they match, the test says so.
-_DIVERGES = pytest.mark.xfail(reason="greedy tokens differ from the CPU build on llvmpipe (under study)", strict=False)
+# Not established on 2026-12-02 (docs/test-bed.md): under load 10-12 these requests took over 300 s,
+# and the demo's (d) server closed the connection. No token difference was seen. Not strict: rerun
+# on a quiet machine, then drop the mark.
+_DIVERGES = pytest.mark.xfail(reason="timed out or server closed the connection on llvmpipe (under study)", strict=False)
 CASES = [
     pytest.param("cpu-moe", "demo", id="cpu-moe-demo"),
     pytest.param("cpu-moe", "ds-v2-lite", id="cpu-moe-ds-v2-lite", marks=_DIVERGES),
