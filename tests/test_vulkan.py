@@ -136,7 +136,7 @@ def assert_on_llvmpipe(log_text: str) -> None:
 # Not established on 2026-12-02 (docs/test-bed.md): under load 10-12 these requests took over 300 s,
 # and the demo's (d) server closed the connection. No token difference was seen. Not strict: rerun
 # on a quiet machine, then drop the mark.
-_DIVERGES = pytest.mark.xfail(reason="timed out or server closed the connection on llvmpipe (under study)", strict=False)
+_DIVERGES = pytest.mark.xfail(reason="timed out or closed the connection on llvmpipe (under study)", strict=False)
 CASES = [
     pytest.param("cpu-moe", "demo", id="cpu-moe-demo"),
     pytest.param("cpu-moe", "ds-v2-lite", id="cpu-moe-ds-v2-lite", marks=_DIVERGES),
