@@ -44,8 +44,9 @@ check-cuda: $(STAMP)
 	$(MOE) build-llama --cuda --arch $(ARCH)
 	MOE_L2_TEST_CUDA_BUILD=1 MOE_L2_TEST_CUDA_ARCH='$(ARCH)' $(PY) -m pytest -q -rs tests/test_cuda_toolchain.py
 
-bench-gpu: $(STAMP)
-	bench/gpu_check.sh
+# No $(STAMP): the GPU machine has no package index; gpu_check.sh sets Python up from .bench-gpu/.
+bench-gpu:
+	bench/gpu_check.sh $(if $(LLVMPIPE),--llvmpipe) $(GPU_CHECK_ARGS)
 
 run: $(STAMP)
 	$(MOE) up $(if $(MODEL),--model $(MODEL))
