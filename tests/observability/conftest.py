@@ -17,7 +17,7 @@ import httpx
 import pytest
 import yaml
 
-from moe_l2_common.stack import StackSettings, python_service, resolve_model, stack_services
+from moe_l2_common.stack import StackSettings, python_service, resolve_model, stack_admin_token, stack_services
 from moe_l2_common.supervisor import RunningService, ServiceSpec, Supervisor, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,7 +70,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory, llama_binary: Path) -> Itera
         settings = StackSettings()
         supervisor = Supervisor(state / "logs", echo=lambda msg: None)
         try:
-            specs = stack_services(settings, resolve_model(settings, None), llama_binary)
+            # as `moe-l2 up` does: one admin token for every service, else llama refuses the flywheel's pulls
+            admin_token = stack_admin_token(settings)
+            specs = stack_services(settings, resolve_model(settings, None), llama_binary, admin_token)
             if not any(s.name == "proxy" for s in specs):
                 # the gateway joins `moe-l2 up` in stack_services(); until then it is started here the same way
                 specs.append(python_service("proxy", "moe_l2_proxy", ports["proxy"]))
