@@ -185,6 +185,25 @@ def test_pull_errors_are_reported_not_raised(index: ExpertIndex, redis_server: R
     asyncio.run(run())
 
 
+def test_failing_pulls_are_logged_once_per_reason(
+    index: ExpertIndex, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    # a wrong admin token makes every pull a 401: the flywheel collects nothing, and the log must say so
+    async def run() -> None:
+        flywheel, _, _ = make(index, redis_server)
+        flywheel.admin_headers = {ADMIN_TOKEN_HEADER: "wrong"}
+        for _ in range(3):
+            assert not (await flywheel.pull()).ok
+        flywheel.admin_headers = LLAMA_ADMIN
+        assert (await flywheel.pull()).ok
+
+    with caplog.at_level("INFO", logger="moe_l2_cache"):
+        asyncio.run(run())
+    failed = [r for r in caplog.records if "routing pull failed" in r.getMessage()]
+    assert len(failed) == 1 and "401" in failed[0].getMessage() and failed[0].levelname == "WARNING"
+    assert [r.getMessage() for r in caplog.records if "work again" in r.getMessage()] == ["routing pulls work again"]
+
+
 def test_hot_sets_are_stored_and_follow_the_budget(index: ExpertIndex, redis_server: RedisServer) -> None:
     size = index.max_expert_bytes
 

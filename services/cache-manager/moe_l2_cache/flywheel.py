@@ -123,6 +123,7 @@ class Flywheel:
         self.index = index
         self.accepted = accepted  # the domains that may become tables
         self.admin_headers = admin_headers or {}  # llama's admin calls: reset=1, hot-set
+        self._failing = ""  # the reason pulls are failing, "" while they work (logged once per reason)
         self.keys = keys
         self.redis = redis
         self.llama = llama
@@ -155,9 +156,16 @@ class Flywheel:
                 snapshot = await self._fetch()
             except RoutingError as e:
                 self.counters.pull_errors += 1
+                # pulls repeat every few seconds: one line per new reason, not one per pull
+                if str(e) != self._failing:
+                    log.warning("routing pull failed, counts are not collected: %s", e)
+                self._failing = str(e)
                 self.counters.last_error = str(e)
                 flushed = await self.flush()  # counts buffered earlier still go out
                 return PullResponse(ok=False, error=str(e), flushed=flushed, buffered_cells=self.buffer.cells)
+            if self._failing:
+                log.info("routing pulls work again")
+                self._failing = ""
             counts, tokens = self._cells(snapshot)
             self.counters.pulls += 1
             self.counters.last_pull_at = time.time()
