@@ -175,7 +175,9 @@ BENCH_ARGS=(--binary "$BINARY" --model "$MODEL" --cache-bytes "$CACHE_BYTES" --o
 if [ "$MODE" = gpu ]; then
   BENCH_ARGS+=(--backend cuda --runs "${RUNS:-5}" --tokens "${TOKENS:-64}" --start-timeout 240)
 else
-  BENCH_ARGS+=(--backend vulkan --runs "${RUNS:-2}" --tokens "${TOKENS:-8}")
+  # llvmpipe's device kernels run ~0.5 s a token and the trace splits every MoE layer: one short
+  # run of each config keeps the rehearsal inside its budget (2 runs x 8 tokens did not, 2026-12-02)
+  BENCH_ARGS+=(--backend vulkan --runs "${RUNS:-1}" --tokens "${TOKENS:-4}" --prompt-words 2)
 fi
 # GPU_CHECK_BENCH_ARGS: more arguments for the benchmark (e.g. "--prompt-words 10 --configs b,c,d,e")
 read -r -a EXTRA <<<"${GPU_CHECK_BENCH_ARGS:-}"
