@@ -126,14 +126,17 @@ class TablePolicy:
 
 
 def top_c_mask(priority: FloatArray, capacity: int, candidates: BoolArray) -> BoolArray:
-    """Per row, the `capacity` candidates of highest priority (all candidates if there are fewer)."""
+    """Per row, the `capacity` candidates of highest priority (all candidates if there are fewer).
+
+    Ties keep the lower expert id. The rule is defined, not left to the selection algorithm, because the
+    engine's port of the policies (llama-server's expert cache) must keep exactly the same experts."""
     n_rows, n_expert = priority.shape
     if capacity >= n_expert:
         return candidates.copy()
     if capacity <= 0:
         return np.zeros_like(candidates)
     masked = np.where(candidates, priority, -np.inf)
-    idx = np.argpartition(-masked, capacity - 1, axis=1)[:, :capacity]
+    idx = np.argsort(-masked, axis=1, kind="stable")[:, :capacity]
     keep = np.zeros_like(candidates)
     keep[np.arange(n_rows)[:, None], idx] = True
     return keep & candidates

@@ -10,6 +10,13 @@ from moe_l2_cache.policy.base import DemandPolicy, FloatArray, IntArray, PolicyE
 # outweigh one access (exact in float64 while counts and clocks stay below 2**21 and 2**32).
 _TIE_SCALE = 2.0**32
 
+
+def pow2(exponent: FloatArray) -> FloatArray:
+    """2**x elementwise with C's pow(), the function the engine's port calls (np.exp2 may use SIMD code
+    that rounds differently in the last bit, and the engine must reproduce these scores exactly)."""
+    return np.array([2.0 ** float(x) for x in np.ravel(exponent)], dtype=np.float64).reshape(np.shape(exponent))
+
+
 # LFRU's half-life in tokens, chosen on an inner split of the ESFT profile split (docs/cache-policy-study.md).
 HALF_LIFE = 16.0
 
@@ -91,10 +98,10 @@ class LFRU(DemandPolicy):
         far = exponent > self._RENORM_EXPONENT
         if far.any():
             far_rows = rows[far]
-            self._score[far_rows] *= np.exp2(-exponent[far])[:, None]
+            self._score[far_rows] *= pow2(-exponent[far])[:, None]
             self._base[far_rows] = self._clock[far_rows]
             exponent = self._exponent(rows)
-        return np.exp2(exponent)
+        return pow2(exponent)
 
     def _decayed(self, rows: IntArray) -> FloatArray:
         """The scores as of now (activations counted 1 when they happen, then halving per half-life)."""
