@@ -143,6 +143,9 @@ SERIES = [
     "0004-admin-token.patch",
     "0005-vulkan-headers.patch",
     "0006-route-trace.patch",
+    "0007-sched-expert-cache.patch",
+    "0008-expert-cache.patch",
+    "0009-server-expert-cache.patch",
 ]
 
 

@@ -8,6 +8,7 @@ import re
 import shlex
 from functools import cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -43,6 +44,15 @@ class LlamaSettings(BaseSettings):
         default="", description="the model name clients see (default: the GGUF's general.name, else the file stem)"
     )
     admin_token: str = Field(default="", description="required by llama's admin calls (see moe_l2_common.admin)")
+    expert_cache_bytes: str = Field(
+        default="",
+        pattern=r"^(|\d+([KkMmGgTt]([Ii]?[Bb])?|[Bb])?)$",
+        description="device memory for the expert cache (--moe-cache-bytes), e.g. 4G or 512M; empty or 0: off. "
+        "It needs a GPU build and experts kept in host memory (n_cpu_moe, or --cpu-moe in llama_extra_args)",
+    )
+    expert_cache_policy: Literal["default", "hybrid", "lru"] = Field(
+        default="default", description="which experts the cache keeps (--moe-cache-policy)"
+    )
 
 
 def llama_server_binary(settings: LlamaSettings) -> Path:
@@ -75,6 +85,8 @@ def llama_server_command(binary: Path, model: Path, settings: LlamaSettings) -> 
         cmd += ["--n-cpu-moe", str(settings.n_cpu_moe)]
     if settings.gpu_layers is not None:
         cmd += ["--gpu-layers", str(settings.gpu_layers)]
+    if settings.expert_cache_bytes and re.sub(r"\D", "", settings.expert_cache_bytes).strip("0"):
+        cmd += ["--moe-cache-bytes", settings.expert_cache_bytes, "--moe-cache-policy", settings.expert_cache_policy]
     repack = settings.cpu_repack if settings.cpu_repack is not None else not cpu_has_amx()
     if not repack:
         cmd.append("--no-repack")
