@@ -8,8 +8,8 @@ One llama-server per configuration, all on the same model and device, every one 
                    device holds no more expert bytes than the expert cache's budget (--cache-bytes)
   d  copy-used     --cpu-moe with GGML_OP_OFFLOAD_MIN_BATCH=1: the scheduler copies the experts each
                    micro-batch uses to the device and computes them there (the path the cache sits on)
-  e  expert-cache  the expert cache at the same device memory as c: a row that says "not built yet"
-                   until the expert cache (issue 13) exists
+  e  expert-cache  --cpu-moe with the expert cache (--moe-cache-bytes) at the device expert bytes of c:
+                   used experts computed on the device, only the misses copied (docs/expert-cache.md)
 Requests take turns over the servers (one generates at a time, the order rotated each run) so that
 machine noise hits all alike. Every run is two requests per server: the prompt alone (n_predict 1,
 no prompt cache: prompt tokens/s) and then the same prompt with the cache (one token re-evaluated,
@@ -108,10 +108,11 @@ CONFIGS: dict[str, Config] = {
         Config("b", "cpu-moe", "-ngl 99 --cpu-moe: experts computed on the CPU"),
         Config("c", "n-cpu-moe", "-ngl 99 --n-cpu-moe N: the last layers' experts on the device"),
         Config("d", "copy-used", "-ngl 99 --cpu-moe, GGML_OP_OFFLOAD_MIN_BATCH=1: used experts copied each step"),
-        Config("e", "expert-cache", "the expert cache at the device memory of c"),
+        Config("e", "expert-cache", "-ngl 99 --cpu-moe --moe-cache-bytes (c's expert bytes): misses copied"),
     )
 }
-NOT_BUILT = "not built yet: the expert cache is issue 13"
+NOT_BUILT = "not in this binary: its build has no expert cache (patch 0008)"
+CACHE_PATCH = "0008-expert-cache.patch"
 
 
 def parse_configs(text: str) -> list[Config]:
@@ -181,7 +182,7 @@ def choose_n_cpu_moe(layout: ExpertLayout, cache_bytes: int) -> tuple[int, int]:
 
 def host_expert_layers(config: Config, layout: ExpertLayout, n_cpu_moe: int) -> list[int]:
     """The MoE layers whose experts live in host memory under `config`."""
-    if config.key in ("b", "d"):
+    if config.key in ("b", "d", "e"):
         return sorted(layout.expert_bytes)
     if config.key == "c":
         return [layer for layer in sorted(layout.expert_bytes) if layer < n_cpu_moe]
@@ -275,9 +276,9 @@ def device_need(config: Config, layout: ExpertLayout, device_expert_bytes: int) 
     need = layout.other_bytes + DEVICE_MARGIN_BYTES
     if config.key == "a":
         need += layout.routed_bytes
-    elif config.key == "c":
+    elif config.key in ("c", "e"):
         need += device_expert_bytes
-    elif config.key == "d":
+    if config.key in ("d", "e"):
         # the scheduler's device copy of one layer's expert tensors (whole tensors, used slices filled)
         need += max(layout.layer_bytes(layer) for layer in layout.expert_bytes)
     return need
@@ -325,6 +326,8 @@ class Server:
     decode_h2d: list[int] = field(default_factory=list)  # derived expert bytes per decode request
     decode_steps: list[int] = field(default_factory=list)  # graph evaluations of the decode request
     reevaluated: list[int] = field(default_factory=list)  # prompt tokens the decode request evaluated (1)
+    # the expert cache's own counters (e only), per decode request: measured, not derived
+    decode_cache: list[dict[str, int]] = field(default_factory=list)
 
 
 def cpu_has_amx() -> bool:
@@ -345,6 +348,16 @@ def trace_patch_present(binary: Path) -> bool:
     return any(p.name in built_with for p in patches)
 
 
+def cache_patch_present(binary: Path) -> bool:
+    """Whether `binary` has the expert cache: its build-info.json lists the patches it was built with;
+    a binary from elsewhere is judged by the patch folder."""
+    try:
+        built_with = json.loads((binary.parent.parent / "build-info.json").read_text())["patches"]
+    except (OSError, ValueError, KeyError):
+        return (PATCHES / CACHE_PATCH).is_file()
+    return CACHE_PATCH in built_with
+
+
 def server_plan(
     config: Config, n_cpu_moe: int, args: argparse.Namespace
 ) -> tuple[list[str], dict[str, str], int | None, int]:
@@ -359,7 +372,7 @@ def server_plan(
         env[TRACE_ENV] = str(args.trace_file)
     min_batch = int(os.environ.get("GGML_OP_OFFLOAD_MIN_BATCH", DEFAULT_OFFLOAD_MIN_BATCH))
     n: int | None = None
-    if config.key in ("b", "d"):
+    if config.key in ("b", "d", "e"):
         extra.append("--cpu-moe")
     if config.key == "c":
         n = n_cpu_moe
@@ -391,6 +404,7 @@ def start_server(
         gpu_layers=ALL_LAYERS,
         n_cpu_moe=n,
         llama_extra_args=" ".join(extra),
+        expert_cache_bytes=str(device_expert_bytes) if config.key == "e" else "",
     )
     if "cpu_repack" in LlamaSettings.model_fields:  # the settings decide --no-repack themselves
         settings.cpu_repack = not args.no_repack
@@ -408,7 +422,9 @@ def start_server(
         n_cpu_moe=n,
         host_layers=host_expert_layers(config, layout, n_cpu_moe),
         min_batch=min_batch,
-        device_expert_bytes={"a": layout.routed_bytes, "c": device_expert_bytes}.get(config.key, 0),
+        device_expert_bytes={"a": layout.routed_bytes, "c": device_expert_bytes, "e": device_expert_bytes}.get(
+            config.key, 0
+        ),
         env=env,
         args=spec.argv[1:],
     )
@@ -433,10 +449,29 @@ def pull_counts(client: httpx.Client, url: str, token: str) -> Counts:
     return merge_domains(resp.raise_for_status().json())
 
 
+CACHE_COUNTERS = ("accesses", "hits", "loads", "h2d_bytes", "bypass", "bypass_bytes")
+
+
+def cache_counters(client: httpx.Client, url: str) -> dict[str, int]:
+    """The expert cache's counters from /metrics (llamacpp:moe_cache_<name>_total)."""
+    text = client.get(f"{url}/metrics").raise_for_status().text
+    found = dict(re.findall(r"^llamacpp:moe_cache_(\w+)_total (\d+)$", text, re.M))
+    missing = [name for name in CACHE_COUNTERS if name not in found]
+    if missing:
+        raise BenchError(f"/metrics of {url} lacks the expert cache's counters {missing}: is the cache on?")
+    return {name: int(found[name]) for name in CACHE_COUNTERS}
+
+
+def counters_delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {k: after[k] - before[k] for k in CACHE_COUNTERS}
+
+
 def one_run(client: httpx.Client, s: Server, prompt: str, layout: ExpertLayout, args: argparse.Namespace) -> None:
     """The prompt alone, then the same prompt from the cache and --tokens decode steps; each followed
     by a reset pull, so each pull holds one request's routing."""
     pull_counts(client, s.url, args.token)  # drop anything before (a warm-up)
+    cached = s.config.key == "e"
+    before = cache_counters(client, s.url) if cached else {}
     t = complete(client, s.url, prompt, 1, cache_prompt=False)
     prompt_counts = pull_counts(client, s.url, args.token)
     if t["prompt_n"] > args.ubatch:
@@ -446,9 +481,15 @@ def one_run(client: httpx.Client, s: Server, prompt: str, layout: ExpertLayout, 
         )
     s.prompt_tps.append(t["prompt_per_second"])
     s.prompt_tokens.append(t["prompt_n"])
-    s.prompt_h2d.append(
-        prompt_step_bytes(prompt_counts, s.host_layers, layout.expert_bytes, layout.n_expert_used, s.min_batch)
-    )
+    if cached:
+        after = cache_counters(client, s.url)
+        delta = counters_delta(after, before)
+        s.prompt_h2d.append(delta["h2d_bytes"] + delta["bypass_bytes"])
+        before = after
+    else:
+        s.prompt_h2d.append(
+            prompt_step_bytes(prompt_counts, s.host_layers, layout.expert_bytes, layout.n_expert_used, s.min_batch)
+        )
 
     t = complete(client, s.url, prompt, args.tokens, cache_prompt=True)
     counts = pull_counts(client, s.url, args.token)
@@ -460,7 +501,12 @@ def one_run(client: httpx.Client, s: Server, prompt: str, layout: ExpertLayout, 
     s.decode_tokens.append(t["predicted_n"])
     first_moe = min(layout.expert_bytes)
     s.decode_steps.append(round(sum(counts.get(first_moe, {}).values()) / layout.n_expert_used))
-    s.decode_h2d.append(decode_bytes(counts, s.host_layers, layout.expert_bytes, s.min_batch))
+    if cached:
+        delta = counters_delta(cache_counters(client, s.url), before)
+        s.decode_cache.append(delta)
+        s.decode_h2d.append(delta["h2d_bytes"] + delta["bypass_bytes"])
+    else:
+        s.decode_h2d.append(decode_bytes(counts, s.host_layers, layout.expert_bytes, s.min_batch))
 
 
 def trim_to_complete_runs(servers: list[Server]) -> None:
@@ -470,6 +516,7 @@ def trim_to_complete_runs(servers: list[Server]) -> None:
         for name in ("prompt_tps", "decode_tps", "prompt_tokens", "decode_tokens", "prompt_h2d", "decode_h2d"):
             setattr(s, name, getattr(s, name)[:n])
         s.decode_steps, s.reevaluated = s.decode_steps[:n], s.reevaluated[:n]
+        s.decode_cache = s.decode_cache[:n]
 
 
 def rotated(servers: list[Server], i: int) -> Iterator[Server]:
@@ -501,10 +548,19 @@ def summarize(s: Server, base: Server, log_text: str) -> dict:
     device = {name: sum(kinds.values()) for name, kinds in buffers.items() if is_device_buffer(name)}
     prompt_per_token = [b / n for b, n in zip(s.prompt_h2d, s.prompt_tokens, strict=True) if n]
     decode_per_token = [b / n for b, n in zip(s.decode_h2d, s.decode_steps, strict=True) if n]
+    cache = None
+    if s.decode_cache:
+        total = {k: sum(d[k] for d in s.decode_cache) for k in CACHE_COUNTERS}
+        cache = {
+            "decode_hit_rate": total["hits"] / total["accesses"] if total["accesses"] else None,
+            "decode_totals": total,
+            "h2d_bytes": "measured: the cache's own counters (loads and bypassed copies), not derived",
+        }
     return {
         "config": s.config.name,
         "what": s.config.what,
         "status": "measured",
+        "expert_cache": cache,
         "server_args": s.args,
         "env": s.env,
         "n_cpu_moe": s.n_cpu_moe,
@@ -531,12 +587,17 @@ def summarize(s: Server, base: Server, log_text: str) -> dict:
             "decode_request_prompt_tokens": s.reevaluated,
             "prompt_h2d_expert_bytes_derived": s.prompt_h2d,
             "decode_h2d_expert_bytes_derived": s.decode_h2d,
+            "decode_expert_cache": s.decode_cache,
         },
     }
 
 
 def _num(x: float | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
 
 
 def _mb(x: float | None) -> str:
@@ -547,14 +608,14 @@ def table(rows: dict[str, dict]) -> str:
     """The results as a Markdown table; host→device bytes are derived, as the header says."""
     head = (
         "| config | placement | device experts MB | device mem MB (llama) | prompt tok/s | vs b | decode tok/s "
-        "| vs b | H2D expert MB/token prompt (derived) | H2D expert MB/token decode (derived) |"
+        "| vs b | H2D expert MB/token prompt (derived) | H2D expert MB/token decode (derived) | cache hit rate |"
     )
-    lines = [head, "|" + " --- |" * 10]
+    lines = [head, "|" + " --- |" * 11]
     for key, r in rows.items():
         if r["status"] != "measured":
             lines.append(
                 f"| {key} {r['config']} | {r['what']} | {_mb(r.get('device_expert_bytes'))} | - "
-                f"| {r['status']} | - | - | - | - | - |"
+                f"| {r['status']} | - | - | - | - | - | - |"
             )
             continue
         h2d = r["h2d_expert_bytes_per_token_derived"]
@@ -564,7 +625,8 @@ def table(rows: dict[str, dict]) -> str:
             f"| {_mb(r['device_expert_bytes'])} | {_mb(r['device_memory_bytes'])} "
             f"| {_num(r['prompt_tokens_per_s'], '.1f')} | {_num(r['prompt_ratio_vs_b'], '.2f')} "
             f"| {_num(r['decode_tokens_per_s'], '.2f')} | {_num(r['decode_ratio_vs_b'], '.2f')} "
-            f"| {_mb(h2d['prompt'])} | {_mb(h2d['decode'])} |"
+            f"| {_mb(h2d['prompt'])} | {_mb(h2d['decode'])} "
+            f"| {_pct((r.get('expert_cache') or {}).get('decode_hit_rate'))} |"
         )
     return "\n".join(lines)
 
@@ -654,7 +716,7 @@ def check_fits(configs: list[Config], layout: ExpertLayout, device_expert_c: int
     skipped: dict[str, str] = {}
     if free is None:
         return configs, skipped
-    needs = {c.key: device_need(c, layout, device_expert_c) for c in configs if c.key != "e"}
+    needs = {c.key: device_need(c, layout, device_expert_c) for c in configs}
     if sum(needs.values()) > free and "a" in needs:
         skipped["a"] = (
             f"does not fit: needs about {needs.pop('a') / 1e9:.1f} GB of device memory, "
@@ -723,7 +785,7 @@ def measure(
     servers: dict[str, Server] = {}
     try:
         for c in configs:
-            if c.key == "e":
+            if c.key == "e" and not cache_patch_present(binary):
                 continue
             print(f"starting {c.key} ({c.name}) ...", file=sys.stderr, flush=True)
             t0 = time.monotonic()
@@ -836,7 +898,8 @@ def main(argv: list[str] | None = None) -> int:
             "a layer whose experts are in host memory is copied when its rows in the micro-batch reach the "
             "offload minimum (GGML_OP_OFFLOAD_MIN_BATCH); a prompt (one micro-batch) copies its distinct "
             "experts, a decode step (one row) each activation; times one expert's bytes from the GGUF; "
-            "llama.cpp's padding (<= 512 B per run of consecutive experts) is left out"
+            "llama.cpp's padding (<= 512 B per run of consecutive experts) is left out; config e (the expert "
+            "cache) is measured instead: its counters' loaded and bypassed bytes per request"
         ),
         "configs": rows,
     }
@@ -848,7 +911,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{cache_bytes / 1e6:.0f} MB -> --n-cpu-moe {n_cpu_moe}; routing: {trace_note}"
     )
     print(table(rows))
-    print(f"H2D: host->device expert bytes, derived from the routing telemetry (see h2d_bytes_method in {args.out})")
+    print(
+        "H2D: host->device expert bytes, derived from the routing telemetry (see h2d_bytes_method in "
+        f"{args.out}); for e, measured by the expert cache's own counters"
+    )
     return 124 if args.interrupted else 0  # as timeout(1) says it: the table holds only the runs done
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import importlib.util
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
+import httpx
 import pytest
 
 from moe_l2_common.gguf_index import load_index
@@ -132,10 +134,33 @@ def test_device_buffers_from_the_server_log(bench):
     assert not bench.is_device_buffer("CUDA_Host") and bench.is_device_buffer("CUDA0")
 
 
-def test_the_expert_cache_row_says_not_built(bench):
+def test_a_binary_without_the_cache_says_so(bench):
     rows = {"e": {"config": "expert-cache", "what": "x", "status": bench.NOT_BUILT, "device_expert_bytes": 2e9}}
     text = bench.table(rows)
-    assert "not built yet" in text and "2000.00" in text
+    assert "no expert cache (patch 0008)" in text and "2000.00" in text
+
+
+def test_the_expert_cache_runs_with_c_s_expert_bytes_and_is_measured(bench, ds_layout):
+    c = bench.CONFIGS
+    assert bench.host_expert_layers(c["e"], ds_layout, 14) == list(range(1, 27))
+    # e holds c's expert bytes plus the scheduler's one-layer copy, as d does
+    e_need = bench.device_need(c["e"], ds_layout, 123)
+    assert e_need == bench.device_need(c["d"], ds_layout, 0) + 123
+    args = SimpleNamespace(ubatch=512, backend="cpu", trace_file=None)
+    extra, _, n, _ = bench.server_plan(c["e"], 14, args)
+    assert "--cpu-moe" in extra and n is None
+
+
+def test_the_cache_counters_come_from_metrics(bench):
+    lines = ["# TYPE llamacpp:moe_cache_hits_total counter", "llamacpp:moe_cache_slots 16"]
+    lines += [f"llamacpp:moe_cache_{name}_total {10 * i}" for i, name in enumerate(bench.CACHE_COUNTERS)]
+    served = httpx.Client(transport=httpx.MockTransport(lambda _: httpx.Response(200, text="\n".join(lines))))
+    got = bench.cache_counters(served, "http://llama")
+    assert got == {name: 10 * i for i, name in enumerate(bench.CACHE_COUNTERS)}
+    assert bench.counters_delta(got, dict.fromkeys(bench.CACHE_COUNTERS, 5))["hits"] == 10 - 5
+    bare = httpx.Client(transport=httpx.MockTransport(lambda _: httpx.Response(200, text="llamacpp:other 1")))
+    with pytest.raises(bench.BenchError, match="is the cache on"):
+        bench.cache_counters(bare, "http://llama")
 
 
 @pytest.mark.parametrize(
