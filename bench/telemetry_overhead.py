@@ -8,17 +8,24 @@ compute thread, which takes the counters' lock at every MoE layer; on a model of
 experts a pull that serialised under that lock would show here as lost decode speed. Requests
 rotate over the default domain tags, so the counters hold several tags, as in production.
 
+Noise control, measured (2026-12-02, 2 cores): unpinned, two identical servers differed by up to 4% over
+31 runs, as much as the effect to be shown. So by default (`--pin`, machines with 2+ CPUs) every server
+runs on CPU 0 and this process (client and puller) on the others, and `--control` adds a second server
+with telemetry off per binary: its ratio to the first ("off/off") is the noise floor of the figures.
+
 With `--baseline BINARY` a second build (e.g. the one before a change) runs in the same loop, on
 and off, so before and after are measured side by side on the same machine state. Throughput
 comes from llama-server's own timings (decode and prompt processing), medians over runs.
 
     python bench/telemetry_overhead.py [--models demo,wide,large] [--runs 21] [--tokens 256]
-        [--pull-interval 1] [--baseline PATH] [--out bench/results/telemetry_overhead.json]
+        [--pull-interval 1] [--baseline PATH] [--no-pin] [--control]
+        [--out bench/results/telemetry_overhead.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -117,13 +124,34 @@ class Puller:
         }
 
 
+SERVER_CPUS = {0}
+
+
+def pin_self_off_the_servers() -> None:
+    """This process (client, puller) leaves CPU 0 to the servers, so its work never preempts a decode."""
+    others = set(os.sched_getaffinity(0)) - SERVER_CPUS
+    if others:
+        os.sched_setaffinity(0, others)
+
+
 def start(
-    supervisor: Supervisor, binary: Path, model: Path, label: str, telemetry: bool, threads: int, token: str
+    supervisor: Supervisor,
+    binary: Path,
+    model: Path,
+    label: str,
+    telemetry: bool,
+    threads: int,
+    token: str,
+    pin: bool,
 ) -> Server:
     settings = LlamaSettings(
         llama_port=free_port(), parallel=1, ctx_size=2048, telemetry=telemetry, threads=threads, admin_token=token
     )
-    url = supervisor.start(llama_service_spec(f"{model.stem}-{label}", binary, model, settings)).spec.url
+    spec = llama_service_spec(f"{model.stem}-{label}", binary, model, settings)
+    if pin:
+        cpus = ",".join(str(c) for c in sorted(SERVER_CPUS))
+        spec = dataclasses.replace(spec, argv=["taskset", "-c", cpus, *spec.argv])
+    url = supervisor.start(spec).spec.url
     return Server(label=label, url=url, telemetry=telemetry)
 
 
@@ -145,10 +173,11 @@ def measure(
     supervisor = Supervisor(logs)
     puller: Puller | None = None
     try:
+        modes = ("on", "off", "off2") if args.control else ("on", "off")
         servers = [
-            start(supervisor, binary, model, f"{name}-{mode}", mode == "on", args.threads, token)
+            start(supervisor, binary, model, f"{name}-{mode}", mode == "on", args.threads, token, args.pin)
             for name, binary in binaries.items()
-            for mode in ("on", "off")
+            for mode in modes
         ]
         decode: dict[str, list[float]] = {s.label: [] for s in servers}
         prompt_tps: dict[str, list[float]] = {s.label: [] for s in servers}
@@ -193,6 +222,11 @@ def measure(
             "prompt_ratio_of_medians": statistics.median(pair_pp["on"]) / statistics.median(pair_pp["off"]),
             "pulls": puller.summary(on) if puller else None,
         }
+        if args.control:
+            control = {"on": decode[f"{name}-off2"], "off": decode[off]}
+            results[name]["control_decode_ratio_off_off"] = paired_ratio(control)
+            results[name]["decode_tokens_per_s"]["off2"] = statistics.median(control["on"])
+            results[name]["decode_tokens_per_s"]["runs"]["off2"] = control["on"]
     return results
 
 
@@ -211,7 +245,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=21)
     parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--prompt-words", type=int, default=400, help="prompt length (about one token per word)")
     parser.add_argument("--models", default="demo,wide,large", help=f"comma-separated, of {sorted(MODELS)}")
     parser.add_argument(
@@ -220,8 +254,19 @@ def main() -> int:
     parser.add_argument(
         "--baseline", type=Path, help="another llama-server binary (e.g. the build before a change) measured alongside"
     )
+    parser.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=(os.cpu_count() or 1) >= 2,
+        help="servers on CPU 0, this process on the others (default: on with 2+ CPUs; needs --threads 1)",
+    )
+    parser.add_argument("--control", action="store_true", help="a second telemetry-off server: the noise floor")
     parser.add_argument("--out", type=Path, default=Path("bench/results/telemetry_overhead.json"))
     args = parser.parse_args()
+    if args.pin:
+        if args.threads > len(SERVER_CPUS):
+            parser.error(f"--pin runs the servers on {len(SERVER_CPUS)} CPU: use --threads 1 (or --no-pin)")
+        pin_self_off_the_servers()
 
     binaries = {"current": llama_server_binary(LlamaSettings())}  # MOE_L2_LLAMA_SERVER, else the cached build
     if args.baseline is not None:
@@ -235,6 +280,7 @@ def main() -> int:
         "tokens": args.tokens,
         "threads": args.threads,
         "pull_interval_s": args.pull_interval,
+        "pinned": args.pin,
         "binaries": {name: {"path": str(path), "build": build_key(path)} for name, path in binaries.items()},
         "models": {},
     }
@@ -250,7 +296,7 @@ def main() -> int:
                 prompts[tag] = " ".join(words[i % len(words)] for i in range(args.prompt_words))
             print(
                 f"[{name}] {spec.n_layer} layers x {spec.n_expert} experts: {args.runs} interleaved runs of "
-                f"{args.tokens} tokens on {len(binaries) * 2} servers ...",
+                f"{args.tokens} tokens on {len(binaries) * (3 if args.control else 2)} servers ...",
                 file=sys.stderr,
                 flush=True,
             )
@@ -269,6 +315,9 @@ def main() -> int:
                     f"off {r['decode_tokens_per_s']['off']:.1f}, ratio on/off {r['decode_ratio_on_off']:.3f}; "
                     f"prompt tokens/s ratio {r['prompt_ratio_on_off']:.3f}{pull_text}"
                 )
+                if "control_decode_ratio_off_off" in r:
+                    control = r["control_decode_ratio_off_off"]
+                    print(f"[{name}] {binary}: control (two servers, both off) ratio {control:.3f}")
                 if pulls.get("failures"):
                     print(f"[{name}] {binary}: {pulls['failures']} pulls failed: {pulls['first_failure']}")
 
