@@ -26,7 +26,7 @@ import pytest
 from moe_l2_cache.policy.replay import read_access_log, replay_accesses
 from moe_l2_common.model_shapes import get_shape, sizes
 from moe_l2_llama.settings import LlamaSettings, device_env, llama_server_command, llama_server_env
-from tests.test_vulkan import DS_LAYERS, DS_VOCAB, PROMPTS, Model, assert_on_llvmpipe, greedy, serve
+from tests.test_vulkan import DS_LAYERS, DS_VOCAB, PROMPTS, Model, assert_on_llvmpipe, greedy, greedy_one, serve
 from tests.test_vulkan import models as models  # the module's fixture
 from tests.test_vulkan import settings as base_settings
 
@@ -117,25 +117,8 @@ def test_two_concurrent_requests_get_the_tokens_they_get_alone(
         client,
         _,
     ):
-
-        def one(prompt: str) -> list[int]:
-            resp = client.post(
-                "/completion",
-                json={
-                    "prompt": prompt,
-                    "n_predict": N_PREDICT,
-                    "temperature": 0,
-                    "top_k": 1,
-                    "ignore_eos": True,
-                    "cache_prompt": False,
-                    "return_tokens": True,
-                },
-            )
-            resp.raise_for_status()
-            return resp.json()["tokens"]
-
         with ThreadPoolExecutor(2) as pool:
-            got = list(pool.map(one, PROMPTS))
+            got = list(pool.map(lambda prompt: greedy_one(client, prompt, N_PREDICT), PROMPTS))
     assert got == expected
 
 

@@ -78,27 +78,29 @@ def serve(
         supervisor.stop()
 
 
+def greedy_one(client: httpx.Client, prompt: str, n_predict: int) -> list[int]:
+    """The greedy token ids of one prompt; no prompt cache, so the request evaluates its prompt."""
+    resp = client.post(
+        "/completion",
+        json={
+            "prompt": prompt,
+            "n_predict": n_predict,
+            "temperature": 0,
+            "top_k": 1,
+            "ignore_eos": True,
+            "cache_prompt": False,
+            "return_tokens": True,
+        },
+    )
+    resp.raise_for_status()
+    tokens = resp.json()["tokens"]
+    assert len(tokens) == n_predict
+    return tokens
+
+
 def greedy(client: httpx.Client, n_predict: int) -> list[list[int]]:
-    """The greedy token ids for each prompt; no prompt cache, so each request evaluates its prompt."""
-    out = []
-    for prompt in PROMPTS:
-        resp = client.post(
-            "/completion",
-            json={
-                "prompt": prompt,
-                "n_predict": n_predict,
-                "temperature": 0,
-                "top_k": 1,
-                "ignore_eos": True,
-                "cache_prompt": False,
-                "return_tokens": True,
-            },
-        )
-        resp.raise_for_status()
-        tokens = resp.json()["tokens"]
-        assert len(tokens) == n_predict
-        out.append(tokens)
-    return out
+    """The greedy token ids for each prompt, one after the other."""
+    return [greedy_one(client, prompt, n_predict) for prompt in PROMPTS]
 
 
 def settings(**kwargs: object) -> LlamaSettings:
