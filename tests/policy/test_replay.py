@@ -11,7 +11,8 @@ import pytest
 from moe_l2_cache.policy import make_policy
 from moe_l2_cache.policy.base import PolicyError, top_c_mask
 from moe_l2_cache.policy.online import pow2
-from moe_l2_cache.policy.replay import Access, read_access_log, replay_accesses
+from moe_l2_cache.policy.profile import fit_profile
+from moe_l2_cache.policy.replay import Access, DomainTables, read_access_log, replay_accesses
 from tests.policy.streams import random_stream
 
 
@@ -36,19 +37,20 @@ def test_pow2_is_c_pow():
 
 def test_the_log_is_read_and_bypassed_accesses_are_skipped(tmp_path: Path):
     log = tmp_path / "access.log"
-    log.write_text("1 0 0 1 2\n1 1 1 0 1 2 3 4\n2 0 0 2 3\n")
+    log.write_text("1 0 0 - 1 2\n1 1 1 - 0 1 2 3 4\n2 0 0 code 2 3\n")
     accesses = read_access_log(log)
     assert accesses[1] == Access(ubatch=1, layer=1, bypass=True, experts=(0, 1, 2, 3, 4))
+    assert [a.domain for a in accesses] == [None, None, "code"]
     counts = replay_accesses(accesses, "lru", n_layer=2, n_expert=8, capacity=2, top_k=2)
     assert (counts.accesses, counts.hits, counts.loads, counts.bypass) == (4, 1, 3, 1)
     assert counts.misses == 3
     assert counts.hit_rate == pytest.approx(0.25)
 
 
-@pytest.mark.parametrize("line", ["1 0 0", "1 0 2 3", "a b c d", "1 -1 0 3"])
+@pytest.mark.parametrize("line", ["1 0 0 -", "1 0 2 - 3", "a b c d e", "1 -1 0 - 3", "1 0 0 - x"])
 def test_a_malformed_line_is_named(tmp_path: Path, line: str):
     log = tmp_path / "access.log"
-    log.write_text(f"1 0 0 1\n{line}\n")
+    log.write_text(f"1 0 0 - 1\n{line}\n")
     with pytest.raises(PolicyError, match=r"access\.log:2"):
         read_access_log(log)
 
@@ -71,3 +73,62 @@ def test_replay_of_a_token_stream_equals_the_policy_fed_directly(policy: str):
     hits = sum(direct.access(a.layer, a.experts) for a in accesses)
     assert (counts.hits, counts.loads) == (hits, direct.loads)  # type: ignore[attr-defined]
     assert counts.accesses == 300 * 3 * 4
+
+
+def routed_stream(n_tokens: int, seed: int, n_layer: int = 3, n_expert: int = 16, k: int = 4) -> np.ndarray:
+    """[token, layer, k]: most tokens follow one of a few fixed routes through the layers (a route's
+    experts at layer l predict its experts at l+1), the others are random."""
+    rng = np.random.default_rng(seed)
+    routes = np.array([[rng.choice(n_expert, size=k, replace=False) for _ in range(n_layer)] for _ in range(3)])
+    out = np.empty((n_tokens, n_layer, k), dtype=np.int64)
+    for t in range(n_tokens):
+        if rng.random() < 0.8:
+            out[t] = routes[rng.integers(len(routes))]
+        else:
+            out[t] = [rng.choice(n_expert, size=k, replace=False) for _ in range(n_layer)]
+    return out
+
+
+def test_replay_with_a_profile_prefetches_and_switches_domain_where_the_log_does():
+    # two domains of different routes through the layers: their transition tables differ and clear the
+    # prefetch's threshold
+    a, b = routed_stream(200, seed=1), routed_stream(200, seed=2)
+    fitted = fit_profile(np.concatenate([a, b]), ["a"] * 200 + ["b"] * 200, 16)
+    assert fitted.transitions is not None
+    profile = {
+        None: DomainTables(transitions=fitted.transitions),
+        "a": DomainTables(freq=fitted.domain_freq["a"], transitions=fitted.domain_transitions["a"]),
+        "b": DomainTables(freq=fitted.domain_freq["b"]),  # no table of its own: the one of no domain
+    }
+    stream, domains = np.concatenate([a[:60], b[:60], a[60:100]]), ["a"] * 60 + ["b"] * 60 + ["a"] * 40
+    accesses = [
+        Access(t, layer, False, tuple(sorted(stream[t, layer].tolist())), domains[t])
+        for t in range(len(stream))
+        for layer in range(3)
+    ]
+    counts = replay_accesses(accesses, "default", n_layer=3, n_expert=16, capacity=6, top_k=4, profile=profile)
+
+    direct = make_policy(
+        "hybrid_threshold_prefetch",
+        3,
+        16,
+        6,
+        top_k=4,
+        domain_freq={"a": fitted.domain_freq["a"], "b": fitted.domain_freq["b"]},
+        transitions=fitted.transitions,
+        domain_transitions={"a": fitted.domain_transitions["a"]},
+    )
+    hits = 0
+    for t, domain in enumerate(domains):
+        direct.on_domain(domain)
+        hits += sum(direct.access(layer, sorted(stream[t, layer].tolist())) for layer in range(3))
+    assert counts.hits == hits
+    assert (counts.loads, counts.prefetch, counts.prefetch_used) == (
+        direct.inner.loads,  # type: ignore[attr-defined]
+        direct.stats.loads,  # type: ignore[attr-defined]
+        direct.stats.used,  # type: ignore[attr-defined]
+    )
+    assert counts.prefetch > 0 and 0 < counts.prefetch_used <= counts.prefetch
+    # and the profile matters: without it nothing is prefetched and the hits differ
+    plain = replay_accesses(accesses, "default", n_layer=3, n_expert=16, capacity=6, top_k=4)
+    assert plain.prefetch == 0 and plain.hits != counts.hits

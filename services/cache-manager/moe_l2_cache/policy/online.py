@@ -105,7 +105,8 @@ class LFRU(DemandPolicy):
 
     def _decayed(self, rows: IntArray) -> FloatArray:
         """The scores as of now (activations counted 1 when they happen, then halving per half-life)."""
-        return self._score[rows] / self._inflation(rows)[:, None]
+        inflation = self._inflation(rows)  # first: it may renormalise the scores read next
+        return self._score[rows] / inflation[:, None]
 
     def _on_use(self, rows: IntArray, ex: IntArray) -> None:
         inflation = self._inflation(rows)  # first: it may renormalise the rows being updated

@@ -198,11 +198,13 @@ class CrossLayerPrefetch:
             return
         predicted = self._predicted(rows, ex)
         targets = rows + 1
-        loaded = predicted & ~self.inner._resident[targets]
+        before = self.inner._resident[targets]
+        self.inner._insert(targets, predicted)
+        # more predictions than slots (possible with a threshold): those that did not fit were not loaded
+        loaded = predicted & ~before & self.inner._resident[targets]
         self._pending[targets] = predicted
         self._pending_new[targets] = loaded
         self.stats.loads += int(loaded.sum())
-        self.inner._insert(targets, predicted)
 
     def _score_predictions(self, rows: IntArray, ex: IntArray) -> None:
         pending = self._pending[rows]

@@ -3,24 +3,30 @@
 The engine's cache (patch 0008, `--moe-cache-bytes`) is a port of `lru` and of the default policy. Run
 with LLAMA_MOE_CACHE_LOG=<file> (test only), it writes one line per micro-batch and cached layer:
 
-    <ubatch> <layer> <bypass> <expert> <expert> ...
+    <ubatch> <layer> <bypass> <domain> <expert> <expert> ...
 
 the distinct experts the micro-batch's tokens selected at that layer (layer counts the cached MoE layers
-from 0). A line with bypass 1 used more experts than the layer has slots: the engine copied them
-without the cache and left its residency alone, so the replay skips it too.
+from 0), and the micro-batch's domain (`-` for none: no tag, or sequences of several domains). A line
+with bypass 1 used more experts than the layer has slots: the engine copied them without the cache and
+left its residency alone, so the replay skips it too.
 
-The engine's counters (`/metrics`: moe_cache_accesses_total, _hits_total, _loads_total) must equal the
-replay's, exactly: the port computes the same floating-point operations in the same order, and ties
-keep the lower expert id on both sides (base.top_c_mask).
+With a routing profile (POST /moe/cache/profile: per domain a prior and cross-layer transitions) the
+replay is given the same tables, as the engine holds them (float32 widened to float64), and switches
+domain where the log does.
+
+The engine's counters (`/metrics`: moe_cache_accesses_total, _hits_total, _loads_total, _prefetch_total,
+_prefetch_used_total) must equal the replay's, exactly: the port computes the same floating-point
+operations in the same order, and ties keep the lower expert id on both sides (base.top_c_mask).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_l2_cache.policy.base import PolicyError
+from moe_l2_cache.policy.base import FloatArray, PolicyError
+from moe_l2_cache.policy.prefetch import CrossLayerPrefetch
 from moe_l2_cache.policy.registry import DEFAULT_POLICY, make_policy
 
 # the engine's policy names and the policies of this package they port
@@ -33,14 +39,25 @@ class Access:
     layer: int
     bypass: bool
     experts: tuple[int, ...]
+    domain: str | None = None
+
+
+@dataclass(frozen=True)
+class DomainTables:
+    """One domain's tables of the engine's routing profile (ExpertCacheProfile, decoded)."""
+
+    freq: FloatArray | None = None  # [n_layer, n_expert]
+    transitions: FloatArray | None = None  # [n_layer - 1, n_expert, n_expert]
 
 
 @dataclass(frozen=True)
 class ReplayCounts:
     accesses: int  # distinct experts used by the accesses the cache served (bypasses left out)
     hits: int
-    loads: int
+    loads: int  # misses copied in (demand loads)
     bypass: int  # accesses over capacity, not replayed
+    prefetch: int = 0  # experts copied in ahead of use
+    prefetch_used: int = 0  # of those, the ones the layer then used
 
     @property
     def misses(self) -> int:
@@ -59,23 +76,45 @@ def read_access_log(path: Path) -> list[Access]:
         if not fields:
             continue
         try:
-            ubatch, layer, bypass, *experts = (int(f) for f in fields)
+            ubatch, layer, bypass = (int(f) for f in fields[:3])
+            experts = tuple(int(f) for f in fields[4:])
         except ValueError:
             raise PolicyError(f"{path}:{number}: not an access line: {line!r}") from None
-        if bypass not in (0, 1) or layer < 0 or not experts:
+        if len(fields) < 5 or bypass not in (0, 1) or layer < 0:
             raise PolicyError(f"{path}:{number}: not an access line: {line!r}")
-        accesses.append(Access(ubatch, layer, bool(bypass), tuple(experts)))
+        domain = None if fields[3] == "-" else fields[3]
+        accesses.append(Access(ubatch, layer, bool(bypass), experts, domain))
     return accesses
 
 
 def replay_accesses(
-    accesses: Iterable[Access], policy: str, n_layer: int, n_expert: int, capacity: int, top_k: int
+    accesses: Iterable[Access],
+    policy: str,
+    n_layer: int,
+    n_expert: int,
+    capacity: int,
+    top_k: int,
+    profile: Mapping[str | None, DomainTables] | None = None,
 ) -> ReplayCounts:
-    """Replays the accesses through the engine policy `policy` (lru, hybrid or default), no domain."""
+    """Replays the accesses through the engine policy `policy` (lru, hybrid or default) with the engine's
+    routing profile (domain None: the tables of no domain), switching domain where the log does."""
     if policy not in ENGINE_POLICIES:
         raise PolicyError(f"unknown engine policy {policy!r}; known: {', '.join(ENGINE_POLICIES)}")
-    cache = make_policy(ENGINE_POLICIES[policy], n_layer, n_expert, capacity, top_k=top_k)
+    profile = profile or {}
+    none = profile.get(None, DomainTables())
+    domains = {d: t for d, t in profile.items() if d is not None}
+    cache = make_policy(
+        ENGINE_POLICIES[policy],
+        n_layer,
+        n_expert,
+        capacity,
+        top_k=top_k,
+        domain_freq={d: t.freq for d, t in domains.items() if t.freq is not None},
+        transitions=none.transitions,
+        domain_transitions={d: t.transitions for d, t in domains.items() if t.transitions is not None},
+    )
     cache.on_domain(None)
+    domain: str | None = None
     hits = total = bypass = 0
     for access in accesses:
         if access.layer >= n_layer:
@@ -83,7 +122,19 @@ def replay_accesses(
         if access.bypass:
             bypass += 1
             continue
+        if access.domain != domain:
+            domain = access.domain
+            cache.on_domain(domain)
         hits += cache.access(access.layer, access.experts)
         total += len(access.experts)
+    if isinstance(cache, CrossLayerPrefetch):
+        return ReplayCounts(
+            accesses=total,
+            hits=hits,
+            loads=int(cache.inner.loads),
+            bypass=bypass,
+            prefetch=cache.stats.loads,
+            prefetch_used=cache.stats.used,
+        )
     loads = int(cache.loads)  # type: ignore[attr-defined]  # every policy of the registry counts loads
     return ReplayCounts(accesses=total, hits=hits, loads=loads, bypass=bypass)
