@@ -146,6 +146,8 @@ SERIES = [
     "0007-sched-expert-cache.patch",
     "0008-expert-cache.patch",
     "0009-server-expert-cache.patch",
+    "0010-expert-cache-prefetch.patch",
+    "0011-server-expert-cache-profile.patch",
 ]
 
 

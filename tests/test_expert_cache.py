@@ -1,4 +1,4 @@
-"""The expert cache in llama-server (patches 0007-0009, `--moe-cache-bytes`), on the software GPU.
+"""The expert cache in llama-server (patches 0007-0011, `--moe-cache-bytes`), on the software GPU.
 
 The reduced `ds-v2-lite` shape (3 MoE layers of 64 experts, top-6, Q4_K/Q4_0 experts) runs with its
 experts in host memory (`--cpu-moe`) and the cache on llvmpipe's Vulkan device:
@@ -9,6 +9,10 @@ experts in host memory (`--cpu-moe`) and the cache on llvmpipe's Vulkan device:
   round differently), while every Vulkan placement, the cache included, gives the same 8;
 - the engine's counters equal the Python replay of its own access log (moe_l2_cache.policy.replay),
   exactly, for `lru` and the default;
+- with the flywheel's routing profile (POST /moe/cache/profile: per-domain priors and cross-layer
+  transitions fitted on the ESFT trace, which the server replays as its routing), the default policy
+  prefetches; tokens still equal the cache off, and the engine's hits, loads and prefetches equal the
+  replay given the same tables, across a domain switch;
 - budgets that cannot work are one clear line: below top-k or on a CPU build refuses to start, a
   model with every expert on the device runs without the cache.
 """
@@ -21,11 +25,19 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
-from moe_l2_cache.policy.replay import read_access_log, replay_accesses
+from moe_l2_cache.policy.profile import fit_profile
+from moe_l2_cache.policy.replay import DomainTables, read_access_log, replay_accesses
+from moe_l2_common.admin import ADMIN_TOKEN_HEADER
 from moe_l2_common.model_shapes import get_shape, sizes
+from moe_l2_common.route_trace import from_esft_npz, write_route_trace
+from moe_l2_common.schemas.llama import ExpertCacheProfile, ExpertCacheProfileResult, decode_f32
+from moe_l2_common.stats import expert_cache_summary, parse_metrics
 from moe_l2_llama.settings import LlamaSettings, device_env, llama_server_command, llama_server_env
+from tests.observability.test_observability import DASHBOARD, metric_names, needs_expert_cache, query_panels
+from tests.test_route_trace import ESFT_NPZ
 from tests.test_vulkan import DS_LAYERS, DS_VOCAB, PROMPTS, Model, assert_on_llvmpipe, greedy, greedy_one, serve
 from tests.test_vulkan import models as models  # the module's fixture
 from tests.test_vulkan import settings as base_settings
@@ -120,6 +132,113 @@ def test_two_concurrent_requests_get_the_tokens_they_get_alone(
         with ThreadPoolExecutor(2) as pool:
             got = list(pool.map(lambda prompt: greedy_one(client, prompt, N_PREDICT), PROMPTS))
     assert got == expected
+
+
+TOKEN = "test-admin-token"
+
+
+def post_profile(client: httpx.Client, profile: ExpertCacheProfile, token: str = TOKEN) -> httpx.Response:
+    return client.post("/moe/cache/profile", json=profile.model_dump(), headers={ADMIN_TOKEN_HEADER: token})
+
+
+@pytest.mark.skipif(not ESFT_NPZ.is_file(), reason=f"the ESFT routing data is not at {ESFT_NPZ}")
+def test_the_flywheel_profile_drives_prefetch_exactly_as_the_python_policy(
+    vulkan_binary: Path, models: dict[str, Model], tmp_path: Path
+) -> None:
+    model = models["ds-v2-lite"]
+    # two ESFT tasks, a few sequences each, cut to the model's 3 MoE layers: the server replays them as its
+    # routing, request r taking sequence r, so the routing has the real model's cross-layer structure
+    law = from_esft_npz(ESFT_NPZ, tasks=["law"], seqs=slice(0, 3), layers=N_MOE)
+    translation = from_esft_npz(ESFT_NPZ, tasks=["translation"], seqs=slice(0, 3), layers=N_MOE)
+    # tagged with two of the server's domains (LLAMA_MOE_DOMAINS is the closed default set)
+    fitted = fit_profile(
+        np.concatenate([law.ids, translation.ids]),
+        ["logic"] * law.n_token + ["translate"] * translation.n_token,
+        SHAPE.n_expert,
+    )
+    assert fitted.transitions is not None
+    trace = tmp_path / "esft.trace"
+    write_route_trace(
+        type(law)(
+            ids=np.concatenate([law.ids, translation.ids]),
+            offsets=np.concatenate([law.offsets, law.offsets[-1] + translation.offsets[1:]]).astype(np.int32),
+            n_expert=law.n_expert,
+        ),
+        trace,
+    )
+    bodies = [
+        ExpertCacheProfile.from_tables(None, transitions=fitted.transitions),
+        ExpertCacheProfile.from_tables(
+            "logic", freq=fitted.domain_freq["logic"], transitions=fitted.domain_transitions["logic"]
+        ),
+        ExpertCacheProfile.from_tables("translate", freq=fitted.domain_freq["translate"]),
+    ]
+    env = {"LLAMA_MOE_ROUTE_TRACE": str(trace)}
+    # the requests, in trace order: law's three sequences, then translation's, each with its domain
+    requests = [(PROMPTS[i % 2], "logic") for i in range(3)] + [(PROMPTS[i % 2], "translate") for i in range(3)]
+
+    off = base_settings(gpu_layers=99, llama_extra_args="--cpu-moe -lv 4")
+    with serve(vulkan_binary, model.path, off, env, tmp_path) as (client, _):
+        expected = [greedy_one(client, p, N_PREDICT, {"X-MoE-Domain": d}) for p, d in requests]
+
+    slots = 16
+    log = tmp_path / "access.log"
+    on = cache_settings(slots).model_copy(update={"admin_token": TOKEN})
+    with serve(vulkan_binary, model.path, on, {**env, "LLAMA_MOE_CACHE_LOG": str(log)}, tmp_path) as (client, _):
+        # bad bodies are 400s that say what is wrong, a wrong token a 401; nothing is applied
+        wrong = ExpertCacheProfile.from_tables(None, transitions=fitted.transitions[:1])
+        resp = post_profile(client, wrong)
+        assert resp.status_code == 400 and "the cache needs 2 layer pairs x 64 x 64 experts" in resp.text
+        assert post_profile(client, ExpertCacheProfile(domain="_x")).status_code == 400
+        assert post_profile(client, bodies[0], token="wrong").status_code == 401
+        for body in bodies:
+            resp = post_profile(client, body)
+            assert resp.status_code == 200, resp.text
+            result = ExpertCacheProfileResult.model_validate(resp.json())
+            assert (result.n_layer, result.n_expert) == (N_MOE, SHAPE.n_expert)
+        got = [greedy_one(client, p, N_PREDICT, {"X-MoE-Domain": d}) for p, d in requests]
+        names = ("accesses", "hits", "loads", "prefetch", "prefetch_used")
+        engine = {m: metric(client, f"moe_cache_{m}_total") for m in names}
+        samples = parse_metrics(client.get("/metrics").text)
+    assert got == expected
+
+    # what `moe-l2 stats` and the dashboard's cache panels read is there, and adds up
+    summary = expert_cache_summary(samples)
+    assert summary is not None and summary["slots"] == slots and summary["layers"] == N_MOE
+    assert summary["hit_rate"] == round(engine["hits"] / engine["accesses"], 4)
+    assert summary["h2d_bytes_per_token"] and summary["h2d_bytes_per_token"] > 0
+    panels = [p for p in query_panels(DASHBOARD) if needs_expert_cache(p)]
+    panel_names = {n for p in panels for t in p["targets"] for n in metric_names(t["expr"])}
+    assert panel_names and panel_names <= set(samples)
+
+    accesses = read_access_log(log)
+    assert {a.domain for a in accesses} == {None, "logic", "translate"}  # None: the server's warm-up
+    profile = {
+        b.domain: DomainTables(
+            freq=decode_f32(b.freq, (N_MOE, SHAPE.n_expert)),
+            transitions=decode_f32(b.transitions, (N_MOE - 1, SHAPE.n_expert, SHAPE.n_expert)),
+        )
+        for b in bodies
+    }
+    replay = replay_accesses(accesses, "default", N_MOE, SHAPE.n_expert, slots, SHAPE.n_expert_used, profile)
+    assert replay.prefetch > 0 and replay.prefetch_used > 0
+    assert engine == {
+        "accesses": replay.accesses,
+        "hits": replay.hits,
+        "loads": replay.loads,
+        "prefetch": replay.prefetch,
+        "prefetch_used": replay.prefetch_used,
+    }
+
+
+def test_the_profile_endpoint_says_when_the_cache_is_off(
+    vulkan_binary: Path, models: dict[str, Model], tmp_path: Path
+) -> None:
+    off = base_settings(gpu_layers=99, llama_extra_args="--cpu-moe").model_copy(update={"admin_token": TOKEN})
+    with serve(vulkan_binary, models["ds-v2-lite"].path, off, {}, tmp_path) as (client, _):
+        resp = post_profile(client, ExpertCacheProfile(domain="logic"))
+    assert resp.status_code == 501
+    assert "the expert cache is off" in resp.json()["error"]["message"]
 
 
 def run_until_ready_or_exit(cmd: list[str], env: dict[str, str], timeout: float = 240) -> tuple[int | None, str]:

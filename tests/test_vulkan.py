@@ -78,10 +78,11 @@ def serve(
         supervisor.stop()
 
 
-def greedy_one(client: httpx.Client, prompt: str, n_predict: int) -> list[int]:
+def greedy_one(client: httpx.Client, prompt: str, n_predict: int, headers: dict[str, str] | None = None) -> list[int]:
     """The greedy token ids of one prompt; no prompt cache, so the request evaluates its prompt."""
     resp = client.post(
         "/completion",
+        headers=headers,
         json={
             "prompt": prompt,
             "n_predict": n_predict,

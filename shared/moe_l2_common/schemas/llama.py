@@ -1,7 +1,12 @@
-"""The patched llama-server's MoE endpoints (services/llama/patches): /moe/routing and /moe/hot-set."""
+"""The patched llama-server's MoE endpoints (services/llama/patches): /moe/routing, /moe/hot-set and
+/moe/cache/profile."""
 
 from __future__ import annotations
 
+import base64
+
+import numpy as np
+from numpy.typing import NDArray
 from pydantic import BaseModel, Field
 
 # layer (decimal string) -> expert id (decimal string) -> activations
@@ -36,3 +41,55 @@ class HotSet(BaseModel):
     n_experts: int
     layers: dict[str, list[int]]
     applied_version: int | None = Field(default=None, description="GET only: the version the compute thread uses")
+
+
+def encode_f32(table: NDArray[np.floating] | None) -> str | None:
+    """A table as the profile body carries it: base64 of its values as little-endian float32, row-major."""
+    if table is None:
+        return None
+    return base64.b64encode(np.ascontiguousarray(table, dtype="<f4").tobytes()).decode("ascii")
+
+
+def decode_f32(text: str | None, shape: tuple[int, ...]) -> NDArray[np.float64] | None:
+    """The inverse of encode_f32, as float64 (what the engine computes with); ValueError on a wrong size."""
+    if text is None:
+        return None
+    raw = base64.b64decode(text, validate=True)
+    n = int(np.prod(shape))
+    if len(raw) != 4 * n:
+        raise ValueError(f"{len(raw) // 4} float32 values for a table of shape {list(shape)} ({n})")
+    return np.frombuffer(raw, dtype="<f4").astype(np.float64).reshape(shape)
+
+
+class ExpertCacheProfile(BaseModel):
+    """POST /moe/cache/profile (admin token): one domain's tables of the expert cache's routing profile.
+
+    Layers are the cache's (GET /metrics: llamacpp:moe_cache_layers), in model order. `freq` [n_layer][n_expert]
+    (each layer sums to 1) is the domain's prior for the hybrid policy; `transitions`
+    [n_layer-1][n_expert][n_expert] is P(expert b at layer l+1 | expert a at layer l), what the default policy
+    prefetches by. domain null: the tables of requests of no known domain (its transitions also serve a domain
+    without its own; its frequencies are no prior). Both null removes the domain's tables. The engine
+    computes with the float32 values widened to float64, so a replay must use the decoded tables."""
+
+    domain: str | None = None
+    freq: str | None = Field(default=None, description="base64, little-endian float32, row-major")
+    transitions: str | None = Field(default=None, description="base64, little-endian float32, row-major")
+
+    @classmethod
+    def from_tables(
+        cls,
+        domain: str | None,
+        freq: NDArray[np.floating] | None = None,
+        transitions: NDArray[np.floating] | None = None,
+    ) -> ExpertCacheProfile:
+        return cls(domain=domain, freq=encode_f32(freq), transitions=encode_f32(transitions))
+
+
+class ExpertCacheProfileResult(BaseModel):
+    """POST /moe/cache/profile's answer."""
+
+    domain: str | None
+    n_layer: int
+    n_expert: int
+    freq: bool
+    transitions: bool
