@@ -1,9 +1,10 @@
 """`moe-l2 stats [--json] [--watch]`: one screen of figures read from the running services' /metrics.
 
 Requests, domain mix, expert hot-set hit rate, pool residency against its budget, the active domain
-and hot-set sizes, tokens/s. Every figure comes from the same Prometheus series the dashboard shows,
-so the terminal and Grafana never disagree. Under `moe-l2 up`, the restarts of each service come
-from the supervisor's state file (moe_l2_common.supervisor).
+and hot-set sizes, the expert cache's hit rate and host→device bytes per token, tokens/s. Every
+figure comes from the same Prometheus series the dashboard shows, so the terminal and Grafana never
+disagree. Under `moe-l2 up`, the restarts of each service come from the supervisor's state file
+(moe_l2_common.supervisor).
 """
 
 from __future__ import annotations
@@ -166,6 +167,7 @@ def summarize(scraped: dict[str, Samples | None]) -> dict[str, Any]:
             "pinned_share_of_budget": _ratio(pinned, budget),
             "redis_up": _total(cache, "moe_l2_cache_redis_up"),
         },
+        "expert_cache": expert_cache_summary(llama),
         "tokens": {
             "prompt": _by(proxy, "moe_l2_tokens_total", "kind").get("prompt"),
             "completion": _by(proxy, "moe_l2_tokens_total", "kind").get("completion"),
@@ -175,6 +177,52 @@ def summarize(scraped: dict[str, Samples | None]) -> dict[str, Any]:
             "tokens_per_s": None,  # filled in by `take` from two scrapes
         },
     }
+
+
+def expert_cache_summary(llama: Samples | None) -> dict[str, Any] | None:
+    """llama-server's expert cache (--moe-cache-bytes), since it started; None when it has none.
+
+    Bytes per token are every host→device expert copy (misses, prefetches and the copies of batches
+    too large for the slots) over every token llama processed, prompt and generated."""
+    slots = _total(llama, "llamacpp:moe_cache_slots")
+    if slots is None:
+        return None
+    accesses = _total(llama, "llamacpp:moe_cache_accesses_total") or 0.0
+    hits = _total(llama, "llamacpp:moe_cache_hits_total") or 0.0
+    copied = (_total(llama, "llamacpp:moe_cache_h2d_bytes_total") or 0.0) + (
+        _total(llama, "llamacpp:moe_cache_bypass_bytes_total") or 0.0
+    )
+    tokens = (_total(llama, "llamacpp:prompt_tokens_total") or 0.0) + (
+        _total(llama, "llamacpp:tokens_predicted_total") or 0.0
+    )
+    prefetch = _total(llama, "llamacpp:moe_cache_prefetch_total")
+    return {
+        "slots": slots,
+        "layers": _total(llama, "llamacpp:moe_cache_layers"),
+        "device_bytes": _total(llama, "llamacpp:moe_cache_device_bytes"),
+        "accesses": accesses,
+        "hits": hits,
+        "hit_rate": _ratio(hits, accesses),
+        "h2d_bytes": copied,
+        "tokens": tokens,
+        "h2d_bytes_per_token": round(copied / tokens, 1) if tokens else None,
+        "prefetch": prefetch,
+        "prefetch_used_share": _ratio(_total(llama, "llamacpp:moe_cache_prefetch_used_total"), prefetch),
+        "hit_rate_now": None,  # filled in by `take` from two scrapes
+        "h2d_bytes_per_token_now": None,
+    }
+
+
+def expert_cache_now(previous: dict[str, Any] | None, current: dict[str, Any] | None) -> None:
+    """The live figures of `current` (hit rate, bytes per token) over the interval since `previous`."""
+    if not previous or not current:
+        return
+    accesses = current["accesses"] - previous["accesses"]
+    tokens = current["tokens"] - previous["tokens"]
+    if accesses > 0:
+        current["hit_rate_now"] = round((current["hits"] - previous["hits"]) / accesses, 4)
+    if tokens > 0:
+        current["h2d_bytes_per_token_now"] = round((current["h2d_bytes"] - previous["h2d_bytes"]) / tokens, 1)
 
 
 def supervisor_summary(state: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -249,12 +297,30 @@ def render(stats: dict[str, Any]) -> str:
         f"pool        pinned {format_bytes(pool['pinned_bytes'])} of {format_bytes(pool['budget_bytes'])} budget "
         f"({_pct(pool['pinned_share_of_budget'])}), resident {format_bytes(pool['resident_bytes'])}, "
         f"tracked {format_bytes(pool['tracked_bytes'])}",
+        f"cache       {render_expert_cache(stats.get('expert_cache'))}",
         f"tokens      prompt {_num(tok['prompt'])}, completion {_num(tok['completion'])}"
         + (f"; generated {tok['tokens_per_s']:g} tokens/s now" if tok["tokens_per_s"] is not None else ""),
     ]
     if supervised := stats.get("supervisor"):
         lines.append(f"restarts    {render_restarts(supervised)}")
     return "\n".join(lines)
+
+
+def render_expert_cache(cache: dict[str, Any] | None) -> str:
+    if cache is None:
+        return "off (llama-server runs without --moe-cache-bytes)"
+    text = (
+        f"{_num(cache['slots'])} slots x {_num(cache['layers'])} layers ({format_bytes(cache['device_bytes'])}), "
+        f"hit rate {_pct(cache['hit_rate'])}"
+    )
+    if cache["hit_rate_now"] is not None:
+        text += f" (now {_pct(cache['hit_rate_now'])})"
+    text += f", {format_bytes(cache['h2d_bytes_per_token'])}/token copied"
+    if cache["h2d_bytes_per_token_now"] is not None:
+        text += f" (now {format_bytes(cache['h2d_bytes_per_token_now'])})"
+    if cache["prefetch"]:
+        text += f", prefetched {_num(cache['prefetch'])} ({_pct(cache['prefetch_used_share'])} used)"
+    return text
 
 
 def render_restarts(supervised: dict[str, Any]) -> str:
@@ -282,6 +348,7 @@ def take(settings: OpsSettings, previous: Screen | None) -> Screen:
     screen.stats["supervisor"] = read_supervisor()
     if previous is not None:
         screen.stats["tokens"]["tokens_per_s"] = throughput(previous.stats, screen.stats, screen.at - previous.at)
+        expert_cache_now(previous.stats.get("expert_cache"), screen.stats.get("expert_cache"))
     return screen
 
 
