@@ -328,6 +328,7 @@ class Server:
     reevaluated: list[int] = field(default_factory=list)  # prompt tokens the decode request evaluated (1)
     # the expert cache's own counters (e only), per decode request: measured, not derived
     decode_cache: list[dict[str, int]] = field(default_factory=list)
+    final_cache: dict[str, int] = field(default_factory=dict)  # e only: every counter at the end
 
 
 def cpu_has_amx() -> bool:
@@ -378,6 +379,8 @@ def server_plan(
         n = n_cpu_moe
     if config.key == "d":
         min_batch = 1
+    if config.key == "e" and getattr(args, "cache_log", None):
+        env["LLAMA_MOE_CACHE_LOG"] = str(args.cache_log)  # what the replay below checks the counters against
     env["GGML_OP_OFFLOAD_MIN_BATCH"] = str(min_batch)
     return extra, env, n, min_batch
 
@@ -404,7 +407,7 @@ def start_server(
         gpu_layers=ALL_LAYERS,
         n_cpu_moe=n,
         llama_extra_args=" ".join(extra),
-        expert_cache_bytes=str(device_expert_bytes) if config.key == "e" else "",
+        expert_cache_bytes=str(getattr(args, "e_bytes", 0) or device_expert_bytes) if config.key == "e" else "",
     )
     if "cpu_repack" in LlamaSettings.model_fields:  # the settings decide --no-repack themselves
         settings.cpu_repack = not args.no_repack
@@ -422,9 +425,11 @@ def start_server(
         n_cpu_moe=n,
         host_layers=host_expert_layers(config, layout, n_cpu_moe),
         min_batch=min_batch,
-        device_expert_bytes={"a": layout.routed_bytes, "c": device_expert_bytes, "e": device_expert_bytes}.get(
-            config.key, 0
-        ),
+        device_expert_bytes={
+            "a": layout.routed_bytes,
+            "c": device_expert_bytes,
+            "e": getattr(args, "e_bytes", 0) or device_expert_bytes,
+        }.get(config.key, 0),
         env=env,
         args=spec.argv[1:],
     )
@@ -464,6 +469,71 @@ def cache_counters(client: httpx.Client, url: str) -> dict[str, int]:
 
 def counters_delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
     return {k: after[k] - before[k] for k in CACHE_COUNTERS}
+
+
+def final_cache_counters(client: httpx.Client, url: str) -> dict[str, int]:
+    """Every llamacpp:moe_cache_* value at the end of the run (slots and prefetches included)."""
+    text = client.get(f"{url}/metrics").raise_for_status().text
+    return {name: int(v) for name, v in re.findall(r"^llamacpp:moe_cache_(\w+) (\d+)$", text, re.M)}
+
+
+def push_profile(url: str, body: dict, token: str) -> None:
+    resp = httpx.post(f"{url}/moe/cache/profile", json=body, headers={ADMIN_TOKEN_HEADER: token}, timeout=60)
+    if resp.status_code != 200:
+        raise BenchError(f"POST /moe/cache/profile: {resp.status_code} {resp.text[:300]}")
+
+
+def held_out_profile(trace_file: Path, n_requests: int, n_expert: int) -> tuple[dict, object, str]:
+    """The transitions of the trace's sequences that no request of this run replays (request r replays
+    sequence r), as the profile of no domain: (POST body, decoded tables for the replay, a note)."""
+    from moe_l2_cache.policy.profile import fit_profile
+    from moe_l2_cache.policy.replay import DomainTables
+    from moe_l2_common.route_trace import read_route_trace
+    from moe_l2_common.schemas.llama import ExpertCacheProfile, decode_f32
+
+    trace = read_route_trace(trace_file)
+    if trace.n_seq <= n_requests:
+        raise BenchError(f"the trace has {trace.n_seq} sequences, the run replays {n_requests}: none left to fit on")
+    ids = trace.ids[int(trace.offsets[n_requests]) :]
+    fitted = fit_profile(ids, ["all"] * len(ids), n_expert)
+    body = ExpertCacheProfile.from_tables(None, transitions=fitted.transitions)
+    shape = (trace.n_layer - 1, n_expert, n_expert)
+    tables = {None: DomainTables(transitions=decode_f32(body.transitions, shape))}
+    note = (
+        f"transitions fitted on the trace's sequences {n_requests}..{trace.n_seq - 1} ({len(ids)} tokens), "
+        "none of which this run replays; requests untagged (no domain prior)"
+    )
+    return body.model_dump(), tables, note
+
+
+def replay_check(s: Server, args: argparse.Namespace, layout: ExpertLayout) -> dict:
+    """The Python policy's replay of e's access log, with the same profile, against e's counters."""
+    from moe_l2_cache.policy.replay import read_access_log, replay_accesses
+
+    engine = s.final_cache
+    replay = replay_accesses(
+        read_access_log(args.cache_log),
+        "default",
+        len(layout.expert_bytes),
+        layout.n_expert,
+        engine["slots"],
+        layout.n_expert_used,
+        args.profile_tables,
+    )
+    pairs = {
+        "accesses": (replay.accesses, engine.get("accesses_total")),
+        "hits": (replay.hits, engine.get("hits_total")),
+        "loads": (replay.loads, engine.get("loads_total")),
+        "prefetch": (replay.prefetch, engine.get("prefetch_total")),
+        "prefetch_used": (replay.prefetch_used, engine.get("prefetch_used_total")),
+    }
+    return {
+        "slots": engine["slots"],
+        "replay": {k: r for k, (r, _) in pairs.items()},
+        "engine": {k: e for k, (_, e) in pairs.items()},
+        "equal": all(r == e for r, e in pairs.values()),
+        "hit_rate_all_accesses": replay.hit_rate,
+    }
 
 
 def one_run(client: httpx.Client, s: Server, prompt: str, layout: ExpertLayout, args: argparse.Namespace) -> None:
@@ -759,8 +829,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_false",
         help="let llama.cpp repack CPU weights (default off on AMX CPUs, where it crashes on these models)",
     )
+    parser.add_argument(
+        "--cache-slots",
+        type=int,
+        help="e's budget as slots per cached layer (e.g. 16) instead of c's device expert bytes",
+    )
+    parser.add_argument(
+        "--profile",
+        choices=("auto", "none"),
+        default="auto",
+        help="auto: with the ESFT trace, push e the transitions of the sequences the run does not replay",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/expert_offload.json"))
     args = parser.parse_args(argv)
+    if args.cache_slots is not None and args.cache_slots < 1:
+        parser.error("--cache-slots must be at least 1")
     if args.no_repack:
         args.no_repack = cpu_has_amx()
     if args.runs < 1 or args.tokens < 2:
@@ -796,6 +879,8 @@ def measure(
             except SupervisorError as exc:
                 raise BenchError(f"llama-server for {c.key} ({c.name}) did not start: {exc}".splitlines()[0]) from exc
             print(f"  {c.key} ready in {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
+            if c.key == "e" and getattr(args, "profile_body", None) is not None:
+                push_profile(servers["e"].url, args.profile_body, args.token)
         order = list(servers.values())
         with httpx.Client(timeout=args.request_timeout) as client:
             try:
@@ -814,6 +899,8 @@ def measure(
                 args.interrupted = True
                 print("  interrupted: reporting the runs every server finished", file=sys.stderr, flush=True)
                 trim_to_complete_runs(order)
+            if "e" in servers:
+                servers["e"].final_cache = final_cache_counters(client, servers["e"].url)
         logs_text = {k: s.log_path.read_text(errors="replace") for k, s in servers.items()}
     finally:
         supervisor.stop()
@@ -839,9 +926,18 @@ def main(argv: list[str] | None = None) -> int:
             n_cpu_moe, device_expert_c = choose_n_cpu_moe(layout, cache_bytes)
             configs, skipped = check_fits(configs, layout, device_expert_c, args.backend)
             args.trace_file, trace_note = resolve_trace(args, binary, layout, tmp)
+            slot_bytes = max(layout.expert_bytes.values())
+            args.e_bytes = args.cache_slots * slot_bytes * len(layout.expert_bytes) if args.cache_slots else 0
+            args.profile_body, args.profile_tables, profile_note = None, None, "none"
+            if args.profile == "auto" and args.trace_file is not None and args.trace == "auto":
+                args.profile_body, args.profile_tables, profile_note = held_out_profile(
+                    args.trace_file, 1 + 2 * args.runs, layout.n_expert
+                )
             t0 = time.monotonic()
             log_dir = args.out.parent / f"{args.out.stem}-logs"  # kept: a failed start or request points here
             shutil.rmtree(log_dir, ignore_errors=True)
+            log_dir.mkdir(parents=True)
+            args.cache_log = log_dir / "e-access.log"
             servers, logs = measure(binary, model, layout, configs, n_cpu_moe, device_expert_c, args, log_dir)
             seconds = time.monotonic() - t0
     except BenchError as exc:
@@ -856,6 +952,9 @@ def main(argv: list[str] | None = None) -> int:
         c = CONFIGS[key]
         if key in servers:
             rows[key] = summarize(servers[key], servers["b"], logs[key])
+            if key == "e" and rows[key]["expert_cache"] and servers[key].final_cache and args.cache_log.is_file():
+                rows[key]["expert_cache"]["replay_check"] = replay_check(servers[key], args, layout)
+                rows[key]["expert_cache"]["profile"] = profile_note
         elif key in skipped:
             rows[key] = {"config": c.name, "what": c.what, "status": skipped[key]}
         elif key == "e" and any(x.key == "e" for x in configs):
@@ -882,6 +981,7 @@ def main(argv: list[str] | None = None) -> int:
             "file_bytes": layout.file_bytes,
         },
         "cache_bytes": cache_bytes,
+        "e_cache_bytes": args.e_bytes or device_expert_c,
         "n_cpu_moe": n_cpu_moe,
         "routing": trace_note,
         "no_repack": args.no_repack,
@@ -911,6 +1011,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{cache_bytes / 1e6:.0f} MB -> --n-cpu-moe {n_cpu_moe}; routing: {trace_note}"
     )
     print(table(rows))
+    check = ((rows.get("e") or {}).get("expert_cache") or {}).get("replay_check")
+    if check:
+        print(
+            f"e: {check['slots']} slots per layer; engine vs Python replay of its access log "
+            f"{'EQUAL' if check['equal'] else 'DIFFERENT'}: {check['engine']} vs {check['replay']}; "
+            f"profile: {rows['e']['expert_cache']['profile']}"
+        )
     print(
         "H2D: host->device expert bytes, derived from the routing telemetry (see h2d_bytes_method in "
         f"{args.out}); for e, measured by the expert cache's own counters"

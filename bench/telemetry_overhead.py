@@ -14,7 +14,9 @@ runs on CPU 0 and this process (client and puller) on the others, and `--control
 with telemetry off per binary: its ratio to the first ("off/off") is the noise floor of the figures.
 
 With `--baseline BINARY` a second build (e.g. the one before a change) runs in the same loop, on
-and off, so before and after are measured side by side on the same machine state. Throughput
+and off, so before and after are measured side by side on the same machine state; the paired ratio
+current/baseline with telemetry off is what the current build's other changes cost when they are off
+(the expert cache: `moe-l2 build-llama --patches-dir` a folder of the patches before it). Throughput
 comes from llama-server's own timings (decode and prompt processing), medians over runs.
 
     python bench/telemetry_overhead.py [--models demo,wide,large] [--runs 21] [--tokens 256]
@@ -227,6 +229,11 @@ def measure(
             results[name]["control_decode_ratio_off_off"] = paired_ratio(control)
             results[name]["decode_tokens_per_s"]["off2"] = statistics.median(control["on"])
             results[name]["decode_tokens_per_s"]["runs"]["off2"] = control["on"]
+    if "baseline" in binaries:
+        # telemetry off in both: what the current build's other changes (e.g. the expert cache, off) cost
+        for mode in ("off", "on"):
+            pair = {"on": decode[f"current-{mode}"], "off": decode[f"baseline-{mode}"]}
+            results["current"][f"decode_ratio_vs_baseline_{mode}"] = paired_ratio(pair)
     return results
 
 
@@ -315,6 +322,11 @@ def main() -> int:
                     f"off {r['decode_tokens_per_s']['off']:.1f}, ratio on/off {r['decode_ratio_on_off']:.3f}; "
                     f"prompt tokens/s ratio {r['prompt_ratio_on_off']:.3f}{pull_text}"
                 )
+                if "decode_ratio_vs_baseline_off" in r:
+                    print(
+                        f"[{name}] current/baseline decode, telemetry off {r['decode_ratio_vs_baseline_off']:.3f}, "
+                        f"on {r['decode_ratio_vs_baseline_on']:.3f}"
+                    )
                 if "control_decode_ratio_off_off" in r:
                     control = r["control_decode_ratio_off_off"]
                     print(f"[{name}] {binary}: control (two servers, both off) ratio {control:.3f}")
