@@ -55,9 +55,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import numpy as np
 
 from moe_l2_common.admin import ADMIN_TOKEN_HEADER
 from moe_l2_common.gguf_index import ExpertIndex, GGUFIndexError, load_index
+from moe_l2_common.route_trace import esft_sequence_tasks
 from moe_l2_common.supervisor import Supervisor, SupervisorError, free_port
 from moe_l2_llama.service import llama_service_spec
 from moe_l2_llama.settings import LlamaSettings
@@ -329,6 +331,7 @@ class Server:
     # the expert cache's own counters (e only), per decode request: measured, not derived
     decode_cache: list[dict[str, int]] = field(default_factory=list)
     final_cache: dict[str, int] = field(default_factory=dict)  # e only: every counter at the end
+    sent: int = 0  # requests sent (the trace sequence the next one replays)
 
 
 def cpu_has_amx() -> bool:
@@ -371,6 +374,8 @@ def server_plan(
         env["GGML_VK_VISIBLE_DEVICES"] = os.environ.get("GGML_VK_VISIBLE_DEVICES", "0")
     if args.trace_file:
         env[TRACE_ENV] = str(args.trace_file)
+    if getattr(args, "seq_tags", None):
+        env["LLAMA_MOE_DOMAINS"] = ",".join(sorted(set(args.seq_tags)))
     min_batch = int(os.environ.get("GGML_OP_OFFLOAD_MIN_BATCH", DEFAULT_OFFLOAD_MIN_BATCH))
     n: int | None = None
     if config.key in ("b", "d", "e"):
@@ -438,7 +443,9 @@ def start_server(
 # -- one run --------------------------------------------------------------------------------------
 
 
-def complete(client: httpx.Client, url: str, prompt: str, n_predict: int, cache_prompt: bool) -> dict:
+def complete(
+    client: httpx.Client, url: str, prompt: str, n_predict: int, cache_prompt: bool, domain: str | None = None
+) -> dict:
     body = {
         "prompt": prompt,
         "n_predict": n_predict,
@@ -446,7 +453,16 @@ def complete(client: httpx.Client, url: str, prompt: str, n_predict: int, cache_
         "cache_prompt": cache_prompt,
         "ignore_eos": True,
     }
-    return client.post(f"{url}/completion", json=body).raise_for_status().json()["timings"]
+    headers = {"X-MoE-Domain": domain} if domain else None
+    return client.post(f"{url}/completion", json=body, headers=headers).raise_for_status().json()["timings"]
+
+
+def next_domain(s: Server, args: argparse.Namespace) -> str | None:
+    """The domain tag of the server's next request: the ESFT task of the trace sequence it replays
+    (request r replays sequence r), with --domains esft; else none."""
+    tags = getattr(args, "seq_tags", None)
+    s.sent += 1
+    return tags[(s.sent - 1) % len(tags)] if tags else None
 
 
 def pull_counts(client: httpx.Client, url: str, token: str) -> Counts:
@@ -483,9 +499,13 @@ def push_profile(url: str, body: dict, token: str) -> None:
         raise BenchError(f"POST /moe/cache/profile: {resp.status_code} {resp.text[:300]}")
 
 
-def held_out_profile(trace_file: Path, n_requests: int, n_expert: int) -> tuple[dict, object, str]:
-    """The transitions of the trace's sequences that no request of this run replays (request r replays
-    sequence r), as the profile of no domain: (POST body, decoded tables for the replay, a note)."""
+def held_out_profile(
+    trace_file: Path, n_requests: int, n_expert: int, seq_tags: list[str] | None
+) -> tuple[list[dict], object, str]:
+    """The tables of the trace's sequences that no request of this run replays (request r replays
+    sequence r): the transitions of them all as the profile of no domain and, with `seq_tags` (each
+    sequence's domain), each domain's prior and transitions. (POST bodies, decoded tables for the
+    replay, a note.)"""
     from moe_l2_cache.policy.profile import fit_profile
     from moe_l2_cache.policy.replay import DomainTables
     from moe_l2_common.route_trace import read_route_trace
@@ -494,16 +514,31 @@ def held_out_profile(trace_file: Path, n_requests: int, n_expert: int) -> tuple[
     trace = read_route_trace(trace_file)
     if trace.n_seq <= n_requests:
         raise BenchError(f"the trace has {trace.n_seq} sequences, the run replays {n_requests}: none left to fit on")
-    ids = trace.ids[int(trace.offsets[n_requests]) :]
-    fitted = fit_profile(ids, ["all"] * len(ids), n_expert)
-    body = ExpertCacheProfile.from_tables(None, transitions=fitted.transitions)
-    shape = (trace.n_layer - 1, n_expert, n_expert)
-    tables = {None: DomainTables(transitions=decode_f32(body.transitions, shape))}
+    first = int(trace.offsets[n_requests])
+    ids = trace.ids[first:]
+    lengths = np.diff(trace.offsets)[n_requests:]
+    labels = np.repeat(seq_tags[n_requests:], lengths) if seq_tags else np.full(len(ids), "all")
+    fitted = fit_profile(ids, list(labels), n_expert)
+    bodies = [ExpertCacheProfile.from_tables(None, transitions=fitted.transitions)]
+    if seq_tags:
+        for tag in sorted(fitted.domain_freq):
+            freq, trans = fitted.domain_freq[tag], fitted.domain_transitions[tag]
+            bodies.append(ExpertCacheProfile.from_tables(tag, freq=freq, transitions=trans))
+    freq_shape, trans_shape = (trace.n_layer, n_expert), (trace.n_layer - 1, n_expert, n_expert)
+    tables = {
+        b.domain: DomainTables(freq=decode_f32(b.freq, freq_shape), transitions=decode_f32(b.transitions, trans_shape))
+        for b in bodies
+    }
     note = (
-        f"transitions fitted on the trace's sequences {n_requests}..{trace.n_seq - 1} ({len(ids)} tokens), "
-        "none of which this run replays; requests untagged (no domain prior)"
+        f"tables fitted on the trace's sequences {n_requests}..{trace.n_seq - 1} ({len(ids)} tokens), none of "
+        "which this run replays; "
+        + (
+            "requests tagged with their sequence's ESFT task: per-domain priors and transitions"
+            if seq_tags
+            else "requests untagged (no domain prior)"
+        )
     )
-    return body.model_dump(), tables, note
+    return [b.model_dump() for b in bodies], tables, note
 
 
 def replay_check(s: Server, args: argparse.Namespace, layout: ExpertLayout) -> dict:
@@ -542,7 +577,7 @@ def one_run(client: httpx.Client, s: Server, prompt: str, layout: ExpertLayout, 
     pull_counts(client, s.url, args.token)  # drop anything before (a warm-up)
     cached = s.config.key == "e"
     before = cache_counters(client, s.url) if cached else {}
-    t = complete(client, s.url, prompt, 1, cache_prompt=False)
+    t = complete(client, s.url, prompt, 1, cache_prompt=False, domain=next_domain(s, args))
     prompt_counts = pull_counts(client, s.url, args.token)
     if t["prompt_n"] > args.ubatch:
         raise BenchError(
@@ -561,7 +596,7 @@ def one_run(client: httpx.Client, s: Server, prompt: str, layout: ExpertLayout, 
             prompt_step_bytes(prompt_counts, s.host_layers, layout.expert_bytes, layout.n_expert_used, s.min_batch)
         )
 
-    t = complete(client, s.url, prompt, args.tokens, cache_prompt=True)
+    t = complete(client, s.url, prompt, args.tokens, cache_prompt=True, domain=next_domain(s, args))
     counts = pull_counts(client, s.url, args.token)
     if t["prompt_n"] > 1:
         # the slot lost the prompt: that step had many rows and the decode derivation counts it wrong
@@ -840,6 +875,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="auto: with the ESFT trace, push e the transitions of the sequences the run does not replay",
     )
+    parser.add_argument(
+        "--domains",
+        choices=("esft", "none"),
+        default="esft",
+        help="esft: with the ESFT trace, tag each request with its sequence's task (e gets per-domain tables)",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/expert_offload.json"))
     args = parser.parse_args(argv)
     if args.cache_slots is not None and args.cache_slots < 1:
@@ -879,14 +920,16 @@ def measure(
             except SupervisorError as exc:
                 raise BenchError(f"llama-server for {c.key} ({c.name}) did not start: {exc}".splitlines()[0]) from exc
             print(f"  {c.key} ready in {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
-            if c.key == "e" and getattr(args, "profile_body", None) is not None:
-                push_profile(servers["e"].url, args.profile_body, args.token)
+            if c.key == "e":
+                for body in getattr(args, "profile_bodies", None) or []:
+                    push_profile(servers["e"].url, body, args.token)
         order = list(servers.values())
         with httpx.Client(timeout=args.request_timeout) as client:
             try:
                 for s in order:  # warm-up: every server the same requests, so a trace cursor stays aligned
                     print(f"  warm-up {s.config.key} ...", file=sys.stderr, flush=True)
-                    complete(client, s.url, make_prompt(0, min(8, args.prompt_words)), 2, cache_prompt=False)
+                    warm = make_prompt(0, min(8, args.prompt_words))
+                    complete(client, s.url, warm, 2, cache_prompt=False, domain=next_domain(s, args))
                 for i in range(args.runs):
                     prompt = make_prompt(i, args.prompt_words)
                     for s in rotated(order, i):
@@ -928,10 +971,12 @@ def main(argv: list[str] | None = None) -> int:
             args.trace_file, trace_note = resolve_trace(args, binary, layout, tmp)
             slot_bytes = max(layout.expert_bytes.values())
             args.e_bytes = args.cache_slots * slot_bytes * len(layout.expert_bytes) if args.cache_slots else 0
-            args.profile_body, args.profile_tables, profile_note = None, None, "none"
-            if args.profile == "auto" and args.trace_file is not None and args.trace == "auto":
-                args.profile_body, args.profile_tables, profile_note = held_out_profile(
-                    args.trace_file, 1 + 2 * args.runs, layout.n_expert
+            args.profile_bodies, args.profile_tables, profile_note = None, None, "none"
+            esft = args.trace_file is not None and args.trace == "auto"
+            args.seq_tags = esft_sequence_tasks(esft_npz()) if esft and args.domains == "esft" else None
+            if args.profile == "auto" and esft:
+                args.profile_bodies, args.profile_tables, profile_note = held_out_profile(
+                    args.trace_file, 1 + 2 * args.runs, layout.n_expert, args.seq_tags
                 )
             t0 = time.monotonic()
             log_dir = args.out.parent / f"{args.out.stem}-logs"  # kept: a failed start or request points here

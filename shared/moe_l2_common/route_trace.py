@@ -137,6 +137,15 @@ def from_esft_npz(
     return RouteTrace(ids=ids.astype(np.uint16), offsets=offsets, n_expert=n_expert)
 
 
+def esft_sequence_tasks(path: Path) -> list[str]:
+    """The task of every sequence of `from_esft_npz(path)` (all tasks, all sequences), in trace order."""
+    arrays = _load_arrays(path)
+    task, seq, pos = arrays["task"], arrays["seq"], arrays["pos"]
+    order = np.lexsort((pos, seq))
+    _, starts = np.unique(seq[order], return_index=True)
+    return [ESFT_TASKS[int(t)] for t in task[order][starts]]
+
+
 def write_route_trace(trace: RouteTrace, path: Path) -> None:
     """Writes atomically: beside the target, then renamed."""
     if not path.parent.is_dir():
