@@ -22,6 +22,7 @@ from moe_l2_common.model_shapes import get_shape, write_shape_model
 from moe_l2_common.route_trace import (
     ESFT_TASKS,
     RouteTrace,
+    esft_sequence_tasks,
     from_esft_npz,
     main,
     parse_seqs,
@@ -78,6 +79,19 @@ def test_converter_selects_task_sequences_and_layers(tmp_path: Path) -> None:
     again = read_route_trace(tmp_path / "t.bin")
     np.testing.assert_array_equal(again.ids, trace.ids)
     np.testing.assert_array_equal(again.offsets, trace.offsets)
+
+
+@needs_npz
+def test_every_sequence_of_the_trace_has_its_task() -> None:
+    tasks = esft_sequence_tasks(ESFT_NPZ)
+    whole = from_esft_npz(ESFT_NPZ)
+    assert len(tasks) == whole.n_seq == 213
+    offsets = whole.offsets
+    for name in ESFT_TASKS:  # the task's own trace is the whole trace's sequences of that task, in order
+        own = from_esft_npz(ESFT_NPZ, tasks=[name])
+        mine = [i for i, t in enumerate(tasks) if t == name]
+        assert own.n_seq == len(mine)
+        np.testing.assert_array_equal(own.ids, np.concatenate([whole.ids[offsets[i] : offsets[i + 1]] for i in mine]))
 
 
 @pytest.mark.parametrize(
