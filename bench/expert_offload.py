@@ -60,6 +60,7 @@ import numpy as np
 from moe_l2_common.admin import ADMIN_TOKEN_HEADER
 from moe_l2_common.gguf_index import ExpertIndex, GGUFIndexError, load_index
 from moe_l2_common.route_trace import esft_sequence_tasks
+from moe_l2_common.stats import parse_metrics
 from moe_l2_common.supervisor import Supervisor, SupervisorError, free_port
 from moe_l2_llama.service import llama_service_spec
 from moe_l2_llama.settings import LlamaSettings
@@ -473,24 +474,25 @@ def pull_counts(client: httpx.Client, url: str, token: str) -> Counts:
 CACHE_COUNTERS = ("accesses", "hits", "loads", "h2d_bytes", "bypass", "bypass_bytes")
 
 
+def moe_cache_metrics(client: httpx.Client, url: str) -> dict[str, int]:
+    """Every llamacpp:moe_cache_* value of /metrics, by name without the prefix (e.g. hits_total, slots)."""
+    samples = parse_metrics(client.get(f"{url}/metrics").raise_for_status().text)
+    prefix = "llamacpp:moe_cache_"
+    cache = {name: values for name, values in samples.items() if name.startswith(prefix)}
+    return {name[len(prefix) :]: int(sum(v for _, v in values)) for name, values in cache.items()}
+
+
 def cache_counters(client: httpx.Client, url: str) -> dict[str, int]:
     """The expert cache's counters from /metrics (llamacpp:moe_cache_<name>_total)."""
-    text = client.get(f"{url}/metrics").raise_for_status().text
-    found = dict(re.findall(r"^llamacpp:moe_cache_(\w+)_total (\d+)$", text, re.M))
-    missing = [name for name in CACHE_COUNTERS if name not in found]
+    found = moe_cache_metrics(client, url)
+    missing = [name for name in CACHE_COUNTERS if f"{name}_total" not in found]
     if missing:
         raise BenchError(f"/metrics of {url} lacks the expert cache's counters {missing}: is the cache on?")
-    return {name: int(found[name]) for name in CACHE_COUNTERS}
+    return {name: found[f"{name}_total"] for name in CACHE_COUNTERS}
 
 
 def counters_delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
     return {k: after[k] - before[k] for k in CACHE_COUNTERS}
-
-
-def final_cache_counters(client: httpx.Client, url: str) -> dict[str, int]:
-    """Every llamacpp:moe_cache_* value at the end of the run (slots and prefetches included)."""
-    text = client.get(f"{url}/metrics").raise_for_status().text
-    return {name: int(v) for name, v in re.findall(r"^llamacpp:moe_cache_(\w+) (\d+)$", text, re.M)}
 
 
 def push_profile(url: str, body: dict, token: str) -> None:
@@ -943,7 +945,7 @@ def measure(
                 print("  interrupted: reporting the runs every server finished", file=sys.stderr, flush=True)
                 trim_to_complete_runs(order)
             if "e" in servers:
-                servers["e"].final_cache = final_cache_counters(client, servers["e"].url)
+                servers["e"].final_cache = moe_cache_metrics(client, servers["e"].url)
         logs_text = {k: s.log_path.read_text(errors="replace") for k, s in servers.items()}
     finally:
         supervisor.stop()
