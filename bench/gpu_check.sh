@@ -13,7 +13,7 @@
 #                                           reduced model: the rehearsal on a machine without a GPU
 #   bench/gpu_check.sh --prepare            here, with network: fill .bench-gpu/ with what an
 #                                           offline GPU machine lacks (wheels, the ESFT routing npz,
-#                                           the llama.cpp sdist in two parts); carry .bench-gpu there
+#                                           the trimmed llama.cpp source); carry .bench-gpu there
 # Options: --binary PATH (skip the build), --layers N (reduce the model), --budget SECONDS (whole
 # check, default 570), --cache-bytes SIZE (default 50%), --runs N, --tokens N.
 set -uo pipefail
@@ -38,7 +38,7 @@ while [ $# -gt 0 ]; do
 done
 
 PREP="$REPO/.bench-gpu"  # what --prepare collects for an offline machine (git-ignored via .git/info/exclude)
-SDIST_NAME=llama_cpp_python-0.3.36.tar.gz
+SOURCE_NAME=llama-cpp-source.tar.xz
 
 if [ "$MODE" = prepare ]; then
   # Runs here, where the registries answer. The GPU machine's Python is 3.12 with numpy, httpx,
@@ -56,12 +56,10 @@ if [ "$MODE" = prepare ]; then
   done
   esft="${MOE_L2_ROUTING_DATA:-$REPO/../shared/data/routing}/deepseek-ai__ESFT/esft_routing_ids_DERIVED.npz"
   [ -f "$esft" ] && cp "$esft" "$PREP/"
-  sdist="${MOE_L2_LLAMA_SDIST:-${MOE_L2_CACHE_DIR:-$HOME/.cache/moe-l2}/src/$SDIST_NAME}"
-  if [ -f "$sdist" ]; then
-    # 73 MiB: over the 64 MiB a device call carries, so two parts for two calls (see docs/test-bed.md)
-    split -b 40M -d "$sdist" "$PREP/sdist.part"
-  fi
-  du -sh "$PREP"/* ; exit 0
+  # The sdist (73 MiB) is over the 64 MiB a device call carries: the trimmed source (8 MiB), which
+  # build.py verifies file by file against its pinned manifest (see docs/test-bed.md)
+  "$PY" -m moe_l2_llama.build --export-source "$PREP/$SOURCE_NAME"
+  du -sh "$PREP"/* ; du -sh "$PREP"; exit 0
 fi
 
 OUT_DIR=${OUT:-$REPO/bench/results/gpu_check}
@@ -144,8 +142,8 @@ fi
 if [ -n "$BINARY" ]; then
   [ -x "$BINARY" ] || { say "error: --binary $BINARY is not an executable file"; finish 2; }
 else
-  if [ -z "${MOE_L2_LLAMA_SDIST:-}" ] && ls "$PREP"/sdist.part* >/dev/null 2>&1; then
-    cat "$PREP"/sdist.part* >"$WORK/$SDIST_NAME" && export MOE_L2_LLAMA_SDIST="$WORK/$SDIST_NAME"
+  if [ -z "${MOE_L2_LLAMA_SDIST:-}${MOE_L2_LLAMA_SOURCE:-}" ] && [ -f "$PREP/$SOURCE_NAME" ]; then
+    export MOE_L2_LLAMA_SOURCE="$PREP/$SOURCE_NAME"
   fi
   if [ "$MODE" = gpu ]; then
     command -v nvidia-smi >/dev/null || { say "error: no nvidia-smi: not a GPU machine (use --llvmpipe)"; finish 2; }

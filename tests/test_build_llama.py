@@ -170,3 +170,18 @@ def test_every_patch_says_what_and_why() -> None:
         assert numbered == (i, len(patches)), f"{patch.name}: numbered {numbered}, expected {(i, len(patches))}"
         body = header[subject.end() :].strip()
         assert len(body.split()) >= 30, f"{patch.name}: the message does not say what the patch does and why"
+
+
+def test_ggml_patches_are_the_patches_that_touch_ggml(tmp_path: Path) -> None:
+    ggml_diff = "diff --git a/ggml/src/z.c b/ggml/src/z.c\n+int z;\n"
+    (tmp_path / "0001-a.patch").write_text("Subject: [PATCH 1/3]\ndiff --git a/src/x.cpp b/src/x.cpp\n+x\n")
+    (tmp_path / "0002-b.patch").write_text(f"Subject: [PATCH 2/3]\ndiff --git a/tools/y b/tools/y\n+y\n{ggml_diff}")
+    (tmp_path / "0003-c.patch").write_text("a line that mentions diff --git a/ggml/ not at its start\n")
+    touching = build_mod.ggml_patches(build_mod.patch_files(tmp_path))
+    assert list(touching) == ["0002-b.patch"]
+    before = touching["0002-b.patch"]
+    # what is outside ggml/ does not count: a renumbered subject, another file's diff
+    (tmp_path / "0002-b.patch").write_text(f"Subject: [PATCH 2/4]\ndiff --git a/tools/y b/tools/y\n+w\n{ggml_diff}")
+    assert build_mod.ggml_patches(build_mod.patch_files(tmp_path)) == {"0002-b.patch": before}
+    (tmp_path / "0002-b.patch").write_text(f"Subject: [PATCH 2/4]\n{ggml_diff}+int edit;\n")
+    assert build_mod.ggml_patches(build_mod.patch_files(tmp_path))["0002-b.patch"] != before

@@ -35,9 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 try:
-    from . import cuda_toolchain
-except ImportError:  # run as a script (the image's builder stage): the module sits next to this file
+    from . import cuda_toolchain, source_archive
+except ImportError:  # run as a script (the image's builder stage): the modules sit next to this file
     import cuda_toolchain
+    import source_archive
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 SDIST_NAME = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
@@ -103,6 +104,21 @@ def patch_files(patches_dir: Path) -> list[Path]:
     if not patches_dir.is_dir():
         raise BuildError(f"patch folder {patches_dir} does not exist")
     return sorted(patches_dir.glob("*.patch"))
+
+
+def ggml_patches(patches: list[Path]) -> dict[str, str]:
+    """name -> sha256 of the file diffs under ggml/ of the patches that have any. Equal between two
+    builds, their ggml trees are equal, and so are the inputs of every ggml-cuda object (they include
+    only ggml headers): the measure of whether ccache makes a CUDA rebuild cheap (32 s after an edit
+    outside ggml/, measured) or a cold one (28 min after a ggml-backend.h edit). Only the ggml/ diffs
+    count, so a renumbered subject line or an edit elsewhere in the patch keeps it warm."""
+    touching = {}
+    for patch in patches:
+        sections = re.split(rb"^(?=diff --git )", patch.read_bytes(), flags=re.MULTILINE)
+        ggml = [s for s in sections if s.startswith(b"diff --git a/ggml/")]
+        if ggml:
+            touching[patch.name] = hashlib.sha256(b"".join(ggml)).hexdigest()
+    return touching
 
 
 def build_key(config: BuildConfig, patches: list[Path]) -> str:
@@ -195,6 +211,41 @@ def pip_download(dest_dir: Path) -> None:
     if result.returncode != 0:
         tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
         raise BuildError(f"cannot download {SDIST_NAME}: {tail}")
+
+
+def extract_source(cache: Path, dest: Path) -> None:
+    """The llama.cpp tree into dest: from MOE_L2_LLAMA_SOURCE (a trimmed archive, verified file by
+    file as it is extracted) where set, else from the verified sdist."""
+    env = os.environ.get("MOE_L2_LLAMA_SOURCE")
+    if not env:
+        extract_llama_cpp(fetch_sdist(cache), dest)
+        return
+    archive = Path(env)
+    if not archive.is_file():
+        raise BuildError(f"MOE_L2_LLAMA_SOURCE={archive} does not exist")
+    if dest.exists():
+        shutil.rmtree(dest)
+    try:
+        count = source_archive.extract_verified(archive, dest)
+    except source_archive.SourceArchiveError as exc:
+        raise BuildError(str(exc)) from exc
+    log(f"source: {archive.name}, {count} files verified against the pinned manifest")
+
+
+def export_source(cache: Path, out: Path) -> Path:
+    """Write the trimmed source archive (see source_archive.py) made from the verified sdist."""
+    sdist = fetch_sdist(cache)
+    log(f"trimming {sdist.name} into {out} (xz -9, about a minute)")
+    try:
+        count, digest = source_archive.write_trimmed(sdist, out, VENDOR_PREFIX)
+    except (source_archive.SourceArchiveError, tarfile.TarError, OSError) as exc:
+        raise BuildError(f"cannot write {out}: {exc}") from exc
+    if digest != source_archive.MANIFEST_SHA256:
+        out.unlink(missing_ok=True)
+        stale = "source_archive.py's pin is stale"
+        raise BuildError(f"the trimmed manifest's sha256 {digest[:12]}… is not the pinned one; {stale}")
+    log(f"{count} files, {out.stat().st_size / 2**20:.1f} MiB; build from it with MOE_L2_LLAMA_SOURCE={out}")
+    return out
 
 
 def fetch_sdist(cache: Path) -> Path:
@@ -452,11 +503,10 @@ def build(
         if binary.is_file() and not force:
             return binary
         toolchain_flags = cuda_flags(cache) if config.backend == "cuda" else []
-        archive = fetch_sdist(cache)
         work = cache / "llama" / f"{key}.work"
         src, build_dir = work / "src", work / "build"
         log(f"building llama-server {key} ({config.backend}, {len(patches)} patches) in {work}")
-        extract_llama_cpp(archive, src)
+        extract_source(cache, src)
         apply_patches(src, patches)
         log_path = work / "build.log"
         ccache = ccache_env(cache, work)
@@ -476,6 +526,7 @@ def build(
             "llama_cpp_commit": LLAMA_CPP_COMMIT,
             "sdist_sha256": SDIST_SHA256,
             "patches": {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in patches},
+            "ggml_patches": ggml_patches(patches),
             "cmake_flags": config.cmake_flags(),
             "machine": platform.machine(),
             "ccache": ccache is not None,
@@ -520,12 +571,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--patches-dir", type=Path, help="patch series folder (default services/llama/patches)")
     parser.add_argument("-j", "--jobs", type=int, help="parallel compile jobs (default: all cores)")
     parser.add_argument("--force", action="store_true", help="rebuild even when the cache has the binary")
+    parser.add_argument(
+        "--export-source",
+        type=Path,
+        metavar="FILE",
+        help="write the trimmed, verifiable source archive (.tar.xz, ~9 MiB) for an offline machine "
+        "and exit; build there with MOE_L2_LLAMA_SOURCE=FILE",
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        if args.export_source:
+            print(export_source(args.cache_dir or default_cache_dir(), args.export_source))
+            return 0
         # Checked against this nvcc before anything is fetched; `native` becomes this GPU's number.
         arch = cuda_toolchain.resolve_arch(args.cuda_architectures) if args.cuda else args.cuda_architectures
         config = BuildConfig(
