@@ -147,19 +147,58 @@ def test_pip_failure_is_one_line(tmp_path: Path, toolkit: tc.Toolkit, monkeypatc
     assert not tc.cublas_dir(tmp_path / "cache").exists()
 
 
-def warm_cuda_cache(arch: str) -> bool:
-    """Whether this machine built the CUDA server for arch before, through ccache: then a new key
-    (a patch edit) recompiles only what changed, minutes instead of 30+."""
+def test_an_installed_cublas_wheel_is_linked_offline(
+    tmp_path: Path, toolkit: tc.Toolkit, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lent GPU machine is offline but its PyTorch environment has a cuBLAS wheel: use that."""
+    fetched = tc.cublas_dir(build_mod.default_cache_dir())
+    if toolkit.major != tc.CUBLAS_CUDA_MAJOR or not (fetched / "nvidia" / "cu13" / "lib").is_dir():
+        pytest.skip("no cuBLAS 13 wheel on this machine to stand for an installed one")
+    # the wheel's layout, its files linked rather than copied (half a GB): sonames only, as installed
+    site = tmp_path / "site-packages"
+    (site / "nvidia" / "cu13" / "lib").mkdir(parents=True)
+    (site / "nvidia" / "cu13" / "include").symlink_to(fetched / "nvidia" / "cu13" / "include")
+    for lib_file in (fetched / "nvidia" / "cu13" / "lib").glob("*.so.13"):
+        (site / "nvidia" / "cu13" / "lib" / lib_file.name).symlink_to(lib_file)
+    assert tc.installed_cublas(toolkit.major, [str(tmp_path), str(site)]) == (
+        site / "nvidia" / "cu13" / "include",
+        site / "nvidia" / "cu13" / "lib",
+    )
+    assert tc.installed_cublas(toolkit.major, [str(tmp_path)]) is None
+    assert tc.installed_cublas(toolkit.major + 1, [str(site)]) is None
+
+    monkeypatch.setattr(sys, "path", [*sys.path, str(site)])
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # nothing may be fetched
+    include, lib = tc.install_cublas(tmp_path / "cache", toolkit)
+    assert include == site / "nvidia" / "cu13" / "include"
+    for name in ("libcublas.so", "libcublasLt.so", "libcublas.so.13", "libcublasLt.so.13"):
+        assert (lib / name).resolve() == (site / "nvidia" / "cu13" / "lib" / f"{name.split('.so')[0]}.so.13").resolve()
+    assert not tc.cublas_dir(tmp_path / "cache").exists()  # nothing was fetched
+
+
+def warm_cuda_cache(arch: str, config: build_mod.BuildConfig) -> bool:
+    """Whether the CUDA build for arch costs minutes here, not 30: its binary is cached, or an
+    earlier CUDA build for arch went through ccache with the same patches to ggml/ (so every
+    ggml-cuda object is a ccache hit). A build-info without `ggml_patches` (older builds) is cold."""
     cache = build_mod.default_cache_dir()
+    patches = build_mod.patch_files(build_mod.default_patches_dir())
+    if build_mod.cached_binary(cache, build_mod.build_key(config, patches)).is_file():
+        return True
     if not (cache / "ccache").is_dir() and not os.environ.get("CCACHE_DIR"):
         return False
+    wanted = build_mod.ggml_patches(patches)
     for info_path in (cache / "llama").glob("*/build-info.json"):
         try:
             info = json.loads(info_path.read_text())
         except (OSError, ValueError):
             continue
         flags = info.get("cmake_flags", [])
-        if info.get("backend") == "cuda" and info.get("ccache") and f"-DCMAKE_CUDA_ARCHITECTURES={arch}" in flags:
+        if (
+            info.get("backend") == "cuda"
+            and info.get("ccache")
+            and f"-DCMAKE_CUDA_ARCHITECTURES={arch}" in flags
+            and info.get("ggml_patches") == wanted
+        ):
             return True
     return False
 
@@ -168,10 +207,10 @@ def warm_cuda_cache(arch: str) -> bool:
 def test_cuda_server_builds_and_links(toolkit: tc.Toolkit) -> None:
     """MOE_L2_TEST_CUDA_BUILD=1 runs it (make check-cuda), =0 never; unset, it runs on a warm cache."""
     arch = tc.resolve_arch(os.environ.get("MOE_L2_TEST_CUDA_ARCH", "90"), toolkit)
-    wanted = os.environ.get("MOE_L2_TEST_CUDA_BUILD")
-    if wanted == "0" or (wanted != "1" and not warm_cuda_cache(arch)):
-        pytest.skip(f"CUDA build for --arch {arch}: 30+ min on a cold cache; run `make check-cuda`")
     config = build_mod.BuildConfig(backend="cuda", cuda_architectures=arch, native=False)
+    wanted = os.environ.get("MOE_L2_TEST_CUDA_BUILD")
+    if wanted == "0" or (wanted != "1" and not warm_cuda_cache(arch, config)):
+        pytest.skip(f"CUDA build for --arch {arch}: 30+ min on a cold cache; run `make check-cuda`")
     binary = build_mod.build(config)
     needed = set(re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", readelf_dynamic(binary)))
     # the driver by its real soname (the stub's), cuBLAS and the runtime of this toolkit's major

@@ -165,8 +165,38 @@ def cublas_dir(cache: Path) -> Path:
     return cache / "cuda" / f"cublas-{CUBLAS_VERSION}"
 
 
+def installed_cublas(major: int, search: list[str] | None = None) -> tuple[Path, Path] | None:
+    """(include dir, lib dir) of a cuBLAS wheel of this CUDA major already installed for this Python
+    (PyTorch's environments carry one): what an offline machine such as a lent GPU machine links."""
+    for entry in search if search is not None else sys.path:
+        for layout in (f"cu{major}", "cublas"):  # CUDA 13 wheels, then the CUDA 12 ones
+            root = Path(entry or ".") / "nvidia" / layout
+            if (root / "include" / "cublas_v2.h").is_file() and (root / "lib" / f"libcublas.so.{major}").is_file():
+                return root / "include", root / "lib"
+    return None
+
+
+def _linkable(cache: Path, lib: Path, major: int) -> Path:
+    """A folder of links to lib's cuBLAS: the unversioned names the linker looks for (wheels ship only
+    the sonames, and an installed package's folder is not ours to write to), and the sonames, which
+    the binary then finds at run time through the RUNPATH CMake gives it."""
+    links = cache / "cuda" / "cublas-links" / hashlib.sha256(str(lib).encode()).hexdigest()[:16]
+    links.mkdir(parents=True, exist_ok=True)
+    for name in ("libcublas.so", "libcublasLt.so"):
+        for link in (links / name, links / f"{name}.{major}"):
+            if not link.exists():
+                link.unlink(missing_ok=True)
+                link.symlink_to(lib / f"{name}.{major}")
+    return links
+
+
 def install_cublas(cache: Path, toolkit: Toolkit) -> tuple[Path, Path]:
-    """(include dir, lib dir) of cuBLAS from PyPI under the cache, installed on first use."""
+    """(include dir, lib dir) of cuBLAS: an installed wheel of the toolkit's major, else the pinned
+    wheel from PyPI under the cache, installed on first use."""
+    if found := installed_cublas(toolkit.major):
+        include, lib = found
+        print(f"[build-llama] linking the installed cuBLAS in {lib}", file=sys.stderr)
+        return include, _linkable(cache, lib, toolkit.major)
     if toolkit.major != CUBLAS_CUDA_MAJOR:
         raise ToolchainError(
             f"the CUDA {toolkit.version} toolkit at {toolkit.root} has no cuBLAS, and only cuBLAS for "
