@@ -148,6 +148,7 @@ SERIES = [
     "0009-server-expert-cache.patch",
     "0010-expert-cache-prefetch.patch",
     "0011-server-expert-cache-profile.patch",
+    "0012-server-expert-cache-layers.patch",
 ]
 
 

@@ -434,6 +434,8 @@ def check_llama_cpu(doc_cpu: dict[str, Any]) -> None:
     assert llama["build"]["target"] == "cpu"
     assert llama["build"]["dockerfile"] == "services/llama/Dockerfile"
     assert llama["image"].endswith("-cpu"), "the CPU image must not share the CUDA image's tag"
+    env = as_dict(llama.get("environment"))
+    assert env.get("LLAMA_ARG_MOE_CACHE_BYTES") == "0", "a CPU build refuses to start with the expert cache"
 
 
 def check_llama_command(doc: dict[str, Any], model_path: str = "/models/model.gguf") -> None:
@@ -449,6 +451,8 @@ def check_llama_command(doc: dict[str, Any], model_path: str = "/models/model.gg
     assert env.get("LLAMA_MOE_TELEMETRY") == "1"
     assert env.get("GGML_OP_OFFLOAD_MIN_BATCH") == "1"
     assert "LLAMA_ARG_CPU_MOE" in env and "LLAMA_ARG_N_CPU_MOE" in env, "--cpu-moe/--n-cpu-moe are not set"
+    assert env.get("LLAMA_ARG_MOE_CACHE_BYTES") == "4G", "the GPU stack runs the expert cache with its default budget"
+    assert env.get("LLAMA_ARG_MOE_CACHE_POLICY") == "default"
     assert not flag_value(argv, "--alias", "-a").startswith("/"), "clients would see the model's path"
     assert as_argv(llama.get("entrypoint"))[-1] == "llama-server", "the wrapper must exec llama-server"
 

@@ -1,4 +1,4 @@
-"""The expert cache in llama-server (patches 0007-0011, `--moe-cache-bytes`), on the software GPU.
+"""The expert cache in llama-server (patches 0007-0012, `--moe-cache-bytes`), on the software GPU.
 
 The reduced `ds-v2-lite` shape (3 MoE layers of 64 experts, top-6, Q4_K/Q4_0 experts) runs with its
 experts in host memory (`--cpu-moe`) and the cache on llvmpipe's Vulkan device:
@@ -31,10 +31,11 @@ import pytest
 from moe_l2_cache.policy.profile import fit_profile
 from moe_l2_cache.policy.replay import DomainTables, read_access_log, replay_accesses
 from moe_l2_common.admin import ADMIN_TOKEN_HEADER
+from moe_l2_common.doctor import check_expert_cache
 from moe_l2_common.model_shapes import get_shape, sizes
 from moe_l2_common.route_trace import from_esft_npz, write_route_trace
-from moe_l2_common.schemas.llama import ExpertCacheProfile, ExpertCacheProfileResult, decode_f32
-from moe_l2_common.stats import expert_cache_summary, parse_metrics
+from moe_l2_common.schemas.llama import ExpertCacheProfile, ExpertCacheProfileResult, ExpertCacheShape, decode_f32
+from moe_l2_common.stats import OpsSettings, expert_cache_summary, parse_metrics
 from moe_l2_llama.settings import LlamaSettings, device_env, llama_server_command, llama_server_env
 from tests.observability.test_observability import DASHBOARD, metric_names, needs_expert_cache, query_panels
 from tests.test_route_trace import ESFT_NPZ
@@ -196,6 +197,13 @@ def test_the_flywheel_profile_drives_prefetch_exactly_as_the_python_policy(
             assert resp.status_code == 200, resp.text
             result = ExpertCacheProfileResult.model_validate(resp.json())
             assert (result.n_layer, result.n_expert) == (N_MOE, SHAPE.n_expert)
+        # GET /moe/cache: the model layers the tables are for, the domains that have tables; doctor says so
+        shape = ExpertCacheShape.model_validate(client.get("/moe/cache").json())
+        assert (shape.layers, shape.n_slot, shape.profile) == ([1, 2, 3], slots, ["untagged", "logic", "translate"])
+        doctor = check_expert_cache(OpsSettings(llama_url=str(client.base_url)))
+        assert doctor is not None and doctor.status == "pass"
+        assert doctor.detail.startswith(f"{slots} of 64 experts per layer for 3 layers (1-3)")
+        assert doctor.detail.endswith("priors for 3 domains")
         got = [greedy_one(client, p, N_PREDICT, {"X-MoE-Domain": d}) for p, d in requests]
         names = ("accesses", "hits", "loads", "prefetch", "prefetch_used")
         engine = {m: metric(client, f"moe_cache_{m}_total") for m in names}
@@ -237,8 +245,12 @@ def test_the_profile_endpoint_says_when_the_cache_is_off(
     off = base_settings(gpu_layers=99, llama_extra_args="--cpu-moe").model_copy(update={"admin_token": TOKEN})
     with serve(vulkan_binary, models["ds-v2-lite"].path, off, {}, tmp_path) as (client, _):
         resp = post_profile(client, ExpertCacheProfile(domain="logic"))
+        shape = client.get("/moe/cache")
+        doctor = check_expert_cache(OpsSettings(llama_url=str(client.base_url)))
     assert resp.status_code == 501
     assert "the expert cache is off" in resp.json()["error"]["message"]
+    assert shape.status_code == 501 and "the expert cache is off" in shape.json()["error"]["message"]
+    assert doctor is not None and doctor.status == "warn" and doctor.detail.startswith("off: ")
 
 
 def run_until_ready_or_exit(cmd: list[str], env: dict[str, str], timeout: float = 240) -> tuple[int | None, str]:

@@ -1,8 +1,8 @@
 """`moe-l2 doctor`: pass / warn / fail lines for what moe-l2 needs; exit status 1 on any failure.
 
 Python and packages, the patched llama-server binary, the model, GPU and driver (NVML), the memlock
-limit against the pool budget, /dev/shm, free disk, Redis, the health of each running service, the
-restarts `moe-l2 up` made, and the admin token: present, private (mode 0600), required by the
+limit against the pool budget, /dev/shm, free disk, Redis, the health of each running service,
+llama's expert cache, the restarts `moe-l2 up` made, and the admin token: present, private (mode 0600), required by the
 services' admin calls and accepted by them.
 """
 
@@ -248,6 +248,34 @@ def check_services(settings: OpsSettings) -> list[Check]:
     return out
 
 
+def check_expert_cache(settings: OpsSettings) -> Check | None:
+    """llama's expert cache (GET /moe/cache): its size, the layers it holds and the domains whose
+    priors it has; None when llama does not answer (its health check says why)."""
+    from moe_l2_common.schemas.llama import ExpertCacheShape
+
+    try:
+        resp = httpx.get(f"{settings.llama_url.rstrip('/')}/moe/cache", timeout=settings.ops_timeout_s)
+    except httpx.HTTPError:
+        return None
+    if resp.status_code in (404, 501):
+        return Check(
+            "expert cache",
+            "warn",
+            "off: every expert a token uses is copied to the GPU or computed on the CPU "
+            "(MOE_L2_EXPERT_CACHE_BYTES, llama-server --moe-cache-bytes; needs a GPU build)",
+        )
+    if resp.status_code != 200:
+        return Check("expert cache", "fail", f"GET /moe/cache answered {resp.status_code}: {resp.text[:200]}")
+    shape = ExpertCacheShape.model_validate(resp.json())
+    priors = f"priors for {len(shape.profile)} domains" if shape.profile else "no domain priors yet (cache-manager)"
+    return Check(
+        "expert cache",
+        "pass",
+        f"{shape.n_slot} of {shape.n_expert} experts per layer for {shape.n_layer} layers "
+        f"({shape.layers[0]}-{shape.layers[-1]}), {format_bytes(shape.device_bytes)} of GPU memory; {priors}",
+    )
+
+
 def check_supervisor() -> Check | None:
     """The restarts of `moe-l2 up`'s services, from its state file; None where it is not in use."""
     from moe_l2_common.stack import StackSettings
@@ -387,6 +415,11 @@ def run_checks(settings: OpsSettings, model: Path | None) -> list[Check]:
         checks += check_services(settings)
     except Exception as exc:
         checks.append(Check("services", "fail", f"{type(exc).__name__}: {exc}"))
+    try:
+        if (cache := check_expert_cache(settings)) is not None:
+            checks.append(cache)
+    except Exception as exc:
+        checks.append(Check("expert cache", "fail", f"{type(exc).__name__}: {exc}"))
     try:
         if (supervised := check_supervisor()) is not None:
             checks.append(supervised)

@@ -1,5 +1,5 @@
-"""The patched llama-server's MoE endpoints (services/llama/patches): /moe/routing, /moe/hot-set and
-/moe/cache/profile."""
+"""The patched llama-server's MoE endpoints (services/llama/patches): /moe/routing, /moe/hot-set,
+/moe/cache and /moe/cache/profile."""
 
 from __future__ import annotations
 
@@ -59,6 +59,20 @@ def decode_f32(text: str | None, shape: tuple[int, ...]) -> NDArray[np.float64] 
     if len(raw) != 4 * n:
         raise ValueError(f"{len(raw) // 4} float32 values for a table of shape {list(shape)} ({n})")
     return np.frombuffer(raw, dtype="<f4").astype(np.float64).reshape(shape)
+
+
+class ExpertCacheShape(BaseModel):
+    """GET /moe/cache (501 when the server runs without --moe-cache-bytes): the expert cache's shape.
+    `layers` are the model layers it holds, in the order of a profile's tables; `profile` the domains
+    it has tables for (POST /moe/cache/profile), "untagged" for the table of requests of no domain."""
+
+    n_layer: int
+    n_slot: int
+    n_expert: int
+    layers: list[int]
+    device_bytes: int
+    slot_bytes: int
+    profile: list[str] = Field(default_factory=list)
 
 
 class ExpertCacheProfile(BaseModel):
