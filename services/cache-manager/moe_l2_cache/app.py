@@ -28,6 +28,7 @@ from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from moe_l2_cache.buffer import CountBuffer
+from moe_l2_cache.engine_cache import EngineCacheFeeder
 from moe_l2_cache.flywheel import Flywheel
 from moe_l2_cache.hints import HintController, PassThroughHints
 from moe_l2_cache.hotset import router_map_text
@@ -67,6 +68,7 @@ class Service:
     pool: ExpertPool | None = None
     pool_problem: str | None = None
     flywheel: Flywheel | None = None
+    engine_cache: EngineCacheFeeder | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
 
@@ -147,6 +149,7 @@ async def build_service(settings: CacheSettings) -> Service:
         pool=pool,
         pool_problem=pool_problem,
         flywheel=flywheel,
+        engine_cache=EngineCacheFeeder(flywheel, llama, admin_headers, settings.engine_profile_interval_s),
     )
 
 
@@ -180,6 +183,8 @@ async def _start(service: Service) -> None:
         service.tasks.append(asyncio.create_task(service.hints.run_pinner()))
     if service.settings.pull_interval_s > 0:
         service.tasks.append(asyncio.create_task(service.flywheel.run(service.settings.pull_interval_s)))
+    if service.engine_cache is not None and service.settings.engine_profile_interval_s > 0:
+        service.tasks.append(asyncio.create_task(service.engine_cache.run()))
 
 
 async def _stop(service: Service) -> None:

@@ -34,6 +34,7 @@ class ServiceCollector(Collector):
         yield from self._pool()
         yield from self._flywheel()
         yield from self._hints()
+        yield from self._engine_cache()
 
     def _pool(self) -> Iterator[Metric]:
         if self.service.pool is None:
@@ -88,3 +89,11 @@ class ServiceCollector(Collector):
         if h.active_domain:
             active.add_metric([h.active_domain], 1.0)
         yield active
+
+    def _engine_cache(self) -> Iterator[Metric]:
+        if self.service.engine_cache is None:
+            return
+        e = self.service.engine_cache.stats()
+        yield _counter("engine_profile_pushes", "domain priors llama's expert cache accepted", e.pushes)
+        yield _counter("engine_profile_errors", "failed rounds of sending priors to llama", e.errors)
+        yield _gauge("engine_cache_layers", "layers llama's expert cache holds (0: off or not yet asked)", e.layers)

@@ -34,6 +34,9 @@ class CacheSettings(BaseSettings):
         default=0.5, gt=0, le=1, description="weight old counts keep per MOE_L2_DECAY_TOKENS new tokens of a domain"
     )
     decay_tokens: int = Field(default=100_000, ge=1)
+    engine_profile_interval_s: float = Field(
+        default=30.0, ge=0, description="send the domains' routing priors to llama's expert cache this often; 0 = never"
+    )
     dwell_s: float = Field(
         default=10.0, ge=0, description="minimum time a domain stays active before another takes over"
     )

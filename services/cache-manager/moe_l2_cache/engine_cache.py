@@ -1,0 +1,157 @@
+"""Feeding llama's expert cache with what the flywheel learned: each domain's routing prior.
+
+The engine's cache (patches 0008-0012, docs/expert-cache.md) evicts by the hybrid score, which
+weighs each expert by the prior of the running request's domain. That prior is the flywheel's
+table: per cached layer, each expert's share of the layer's (decayed) activations in the domain's
+requests. The cache holds only some model layers, depending on the placement (--cpu-moe, --n-cpu-moe
+N, -ot), so the feeder asks which (GET /moe/cache) and sends one row per cached layer
+(POST /moe/cache/profile, `freq`).
+
+Every table is sent again each interval (MOE_L2_ENGINE_PROFILE_INTERVAL_S, 30 s by default) rather
+than tracking what llama holds: a table is n_layer x n_expert float32 (26 x 64 x 4 = 6.5 KB for
+DeepSeek-V2-Lite), and a llama that restarted gets its priors back within one interval.
+
+Not sent: transitions. The flywheel counts activations per layer, not which expert follows which
+at the next layer, so the default policy's cross-layer prefetch runs only with tables fitted
+offline (bench/expert_offload.py); the engine would have to count layer-pair co-occurrences.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import httpx
+import numpy as np
+from numpy.typing import NDArray
+from pydantic import ValidationError
+
+from moe_l2_cache.flywheel import Flywheel
+from moe_l2_common.domains import UNTAGGED
+from moe_l2_common.schemas.llama import ExpertCacheProfile, ExpertCacheShape
+
+log = logging.getLogger("moe_l2_cache.engine_cache")
+
+
+def domain_prior(table: Mapping[int, Mapping[int, float]], layers: Sequence[int], n_expert: int) -> NDArray | None:
+    """[len(layers)][n_expert], each row summing to 1: each expert's share of its layer's activations.
+    A layer without counts is uniform (no preference); None when no cached layer has any."""
+    freq = np.zeros((len(layers), n_expert))
+    seen = False
+    for li, layer in enumerate(layers):
+        for expert, count in table.get(layer, {}).items():
+            if 0 <= expert < n_expert and count > 0:
+                freq[li, expert] = count
+        total = freq[li].sum()
+        if total > 0:
+            freq[li] /= total
+            seen = True
+        else:
+            freq[li] = 1.0 / n_expert
+    return freq if seen else None
+
+
+@dataclass
+class FeederStats:
+    state: str = "unknown"  # "on": pushing; "off": llama runs without the cache; "error": see last_error
+    pushes: int = 0  # domain tables accepted by llama
+    errors: int = 0  # rounds that failed
+    last_error: str = ""
+    last_push_at: float | None = None
+    layers: int = 0  # the cache's layers, as llama last said
+
+
+class EngineCacheFeeder:
+    def __init__(
+        self, flywheel: Flywheel, llama: httpx.AsyncClient, admin_headers: Mapping[str, str], interval_s: float
+    ) -> None:
+        self.flywheel = flywheel
+        self.llama = llama
+        self.admin_headers = dict(admin_headers)
+        self.interval_s = interval_s
+        self.counters = FeederStats()
+        self._problem = ""  # the last reason logged, so a reason repeats once, not every interval
+
+    def stats(self) -> FeederStats:
+        return self.counters
+
+    async def run(self) -> None:
+        """Push now, then every interval, until cancelled."""
+        while True:
+            try:
+                await self.push()
+            except Exception:  # a bug must not stop the feeder; the next round tries again
+                log.exception("expert cache profile push failed")
+            await asyncio.sleep(self.interval_s)
+
+    async def push(self) -> int:
+        """Send every accepted domain's prior to llama's cache; the number llama accepted."""
+        try:
+            shape = await self._shape()
+            if shape is None:
+                self._settle("off", "llama runs without the expert cache (no --moe-cache-bytes): no priors to send")
+                return 0
+            self._check(shape)
+            pushed = 0
+            for domain in sorted(await self.flywheel.known_domains()):
+                if domain == UNTAGGED:
+                    continue  # the engine's table of no domain takes no prior
+                freq = domain_prior(await self.flywheel.table(domain), shape.layers, shape.n_expert)
+                if freq is not None:
+                    await self._post(ExpertCacheProfile.from_tables(domain, freq=freq))
+                    pushed += 1
+        except _FeedError as e:
+            self.counters.errors += 1
+            self.counters.last_error = str(e)
+            self._settle("error", str(e))
+            return 0
+        self.counters.pushes += pushed
+        self.counters.last_push_at = time.time()
+        self._settle("on", f"sending the routing priors of {pushed} domains to llama's expert cache")
+        return pushed
+
+    def _settle(self, state: str, reason: str) -> None:
+        self.counters.state = state
+        if reason != self._problem:
+            (log.warning if state == "error" else log.info)("%s", reason)
+            self._problem = reason
+
+    async def _shape(self) -> ExpertCacheShape | None:
+        try:
+            resp = await self.llama.get("/moe/cache")
+        except httpx.HTTPError as e:
+            raise _FeedError(f"llama unreachable: {type(e).__name__}: {e}") from e
+        if resp.status_code in (404, 501):  # a build without the cache's routes, or the cache off
+            return None
+        if resp.status_code != 200:
+            raise _FeedError(f"llama answered {resp.status_code} to GET /moe/cache: {resp.text[:200]}")
+        try:
+            shape = ExpertCacheShape.model_validate(resp.json())
+        except (ValueError, ValidationError) as e:
+            raise _FeedError(f"llama's GET /moe/cache answer does not fit the contract: {e}") from e
+        self.counters.layers = shape.n_layer
+        return shape
+
+    def _check(self, shape: ExpertCacheShape) -> None:
+        index = self.flywheel.index
+        if shape.n_expert != index.n_expert or not set(shape.layers) <= set(index.layers):
+            raise _FeedError(
+                f"llama's expert cache holds layers {shape.layers} of {shape.n_expert} experts, the indexed "
+                f"{index.path} has MoE layers {index.layers[0]}..{index.layers[-1]} of {index.n_expert}: "
+                "is MOE_L2_MODEL_PATH right?"
+            )
+
+    async def _post(self, body: ExpertCacheProfile) -> None:
+        try:
+            resp = await self.llama.post("/moe/cache/profile", json=body.model_dump(), headers=self.admin_headers)
+        except httpx.HTTPError as e:
+            raise _FeedError(f"llama unreachable: {type(e).__name__}: {e}") from e
+        if resp.status_code != 200:
+            raise _FeedError(f"llama answered {resp.status_code} to POST /moe/cache/profile: {resp.text[:200]}")
+
+
+class _FeedError(Exception):
+    """A round that could not complete; the message is one line for the log and the stats."""

@@ -1,0 +1,124 @@
+"""The cache-manager feeds llama's expert cache (moe_l2_cache.engine_cache): the flywheel's tables become
+each domain's prior, one row per layer the cache holds, and come back after llama loses them.
+
+End to end on real parts: the Vulkan llama-server on llvmpipe with the expert cache on the reduced
+ds-v2-lite shape, placed with --n-cpu-moe so that the cache holds only some MoE layers; real Redis;
+the cache-manager as a process, pulling llama's routing counts and pushing the priors."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from moe_l2_cache.engine_cache import domain_prior
+from moe_l2_common.schemas.llama import ExpertCacheProfile, ExpertCacheShape
+from moe_l2_common.stats import parse_metrics
+from tests.test_expert_cache import EXPERT_BYTES, SHAPE
+from tests.test_vulkan import PROMPTS, Model, greedy_one, serve
+from tests.test_vulkan import models as models  # the module's fixture
+from tests.test_vulkan import settings as base_settings
+
+from ..conftest import ADMIN_HEADERS, LlamaServer
+from .conftest import CacheManager, RedisServer
+
+
+def test_a_prior_is_each_experts_share_of_its_layers_activations() -> None:
+    table = {1: {0: 3.0, 2: 1.0, 99: 5.0, 3: -1.0}, 2: {}, 5: {1: 2.0}}
+    freq = domain_prior(table, [1, 2], n_expert=4)
+    assert freq is not None and freq.shape == (2, 4)
+    assert freq[0].tolist() == [0.75, 0.0, 0.25, 0.0]  # expert 99 is not the model's, -1 is no count
+    assert freq[1].tolist() == [0.25] * 4  # no counts: no preference
+    assert np.allclose(freq.sum(axis=1), 1.0)
+    assert domain_prior({5: {1: 2.0}}, [1, 2], n_expert=4) is None  # nothing in the cached layers
+
+
+def sample(manager: CacheManager, name: str) -> float:
+    samples = parse_metrics(manager.client.get("/metrics").text)
+    assert f"moe_l2_cache_{name}" in samples, f"moe_l2_cache_{name} missing from /metrics"
+    return sum(v for _, v in samples[f"moe_l2_cache_{name}"])
+
+
+def wait_for(check: Callable[[], bool], what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.25)
+
+
+def cache_shape(client: httpx.Client) -> ExpertCacheShape:
+    resp = client.get("/moe/cache")
+    assert resp.status_code == 200, resp.text
+    return ExpertCacheShape.model_validate(resp.json())
+
+
+@pytest.mark.llama
+@pytest.mark.vulkan
+@pytest.mark.slow
+def test_the_flywheel_tables_reach_the_cache_of_the_layers_it_holds(
+    vulkan_binary: Path,
+    models: dict[str, Model],
+    redis_server: RedisServer,
+    start_cache_manager: Callable[..., CacheManager],
+    tmp_path: Path,
+) -> None:
+    model = models["ds-v2-lite"]
+    # --n-cpu-moe 3 of 4 layers: layer 0 is dense, so the cache holds MoE layers 1 and 2, not 3
+    s = base_settings(gpu_layers=99, n_cpu_moe=3, llama_extra_args="-lv 4").model_copy(
+        update={"expert_cache_bytes": str(16 * EXPERT_BYTES * 2), "telemetry": True}
+    )
+    with serve(vulkan_binary, model.path, s, {}, tmp_path) as (client, _):
+        shape = cache_shape(client)
+        assert (shape.layers, shape.n_slot, shape.n_expert, shape.profile) == ([1, 2], 16, SHAPE.n_expert, [])
+        assert shape.slot_bytes == EXPERT_BYTES and shape.device_bytes >= 16 * 2 * EXPERT_BYTES
+
+        manager = start_cache_manager(
+            MOE_L2_MODEL_PATH=str(model.path),
+            MOE_L2_LLAMA_URL=str(client.base_url),
+            MOE_L2_REDIS_URL=redis_server.url,
+            MOE_L2_PULL_INTERVAL_S="0.5",
+            MOE_L2_ENGINE_PROFILE_INTERVAL_S="0.5",
+            MOE_L2_DECAY="1",
+        )
+        for i, domain in enumerate(["codegen", "codegen", "translate"]):
+            greedy_one(client, PROMPTS[i % 2], 4, {"X-MoE-Domain": domain})
+        wait_for(lambda: cache_shape(client).profile == ["codegen", "translate"], "both domains' priors in llama")
+        assert sample(manager, "engine_cache_layers") == 2
+        assert sample(manager, "engine_profile_pushes_total") >= 2
+        assert sample(manager, "engine_profile_errors_total") == 0
+
+        # llama loses a domain's tables (as after a restart): the feeder sends them again within an interval
+        removed = client.post(
+            "/moe/cache/profile", json=ExpertCacheProfile(domain="codegen").model_dump(), headers=ADMIN_HEADERS
+        )
+        assert removed.status_code == 200, removed.text
+        assert (removed.json()["freq"], removed.json()["transitions"]) == (False, False)
+        pushes = sample(manager, "engine_profile_pushes_total")
+        wait_for(lambda: sample(manager, "engine_profile_pushes_total") >= pushes + 2, "another round of pushes")
+        assert cache_shape(client).profile == ["codegen", "translate"]
+
+
+@pytest.mark.llama
+def test_without_the_cache_the_feeder_waits_quietly(
+    cache_llama: LlamaServer,
+    demo_model: Path,
+    redis_server: RedisServer,
+    start_cache_manager: Callable[..., CacheManager],
+) -> None:
+    assert cache_llama.client.get("/moe/cache").status_code == 501  # the CPU build: no expert cache
+    manager = start_cache_manager(
+        MOE_L2_MODEL_PATH=str(demo_model),
+        MOE_L2_LLAMA_URL=cache_llama.url,
+        MOE_L2_REDIS_URL=redis_server.url,
+        MOE_L2_PULL_INTERVAL_S="0",
+        MOE_L2_ENGINE_PROFILE_INTERVAL_S="0.2",
+    )
+    time.sleep(1.5)  # several rounds
+    assert (sample(manager, "engine_profile_pushes_total"), sample(manager, "engine_profile_errors_total")) == (0, 0)
+    assert sample(manager, "engine_cache_layers") == 0
+    log = manager.log.read_text()
+    assert log.count("llama runs without the expert cache") == 1  # said once, not every round
