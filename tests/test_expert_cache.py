@@ -143,6 +143,72 @@ def post_profile(client: httpx.Client, profile: ExpertCacheProfile, token: str =
 
 
 @pytest.mark.skipif(not ESFT_NPZ.is_file(), reason=f"the ESFT routing data is not at {ESFT_NPZ}")
+def test_64_tokens_under_the_esft_trace_equal_the_cache_off(
+    vulkan_binary: Path, models: dict[str, Model], tmp_path: Path
+) -> None:
+    """The routing DeepSeek-V2-Lite had on an ESFT prompt (LLAMA_MOE_ROUTE_TRACE), 64 greedy tokens, a
+    quarter of the experts in the cache with the default policy prefetching by a profile fitted on
+    other sequences of the same task: the tokens equal the cache-off run's."""
+    model = models["ds-v2-lite"]
+    law = from_esft_npz(ESFT_NPZ, tasks=["law"], seqs=slice(0, 30), layers=N_MOE)
+    trace = tmp_path / "law.trace"
+    write_route_trace(law, trace)
+    first = int(law.offsets[2])  # the sequence the request replays (0, or 1 after a warm-up) is not fitted on
+    fitted = fit_profile(law.ids[first:], ["logic"] * (law.n_token - first), SHAPE.n_expert)
+    env = {"LLAMA_MOE_ROUTE_TRACE": str(trace)}
+    headers = {"X-MoE-Domain": "logic"}
+    n_tokens = 64
+
+    off = base_settings(gpu_layers=99, llama_extra_args="--cpu-moe -lv 4")
+    with serve(vulkan_binary, model.path, off, env, tmp_path) as (client, _):
+        expected = greedy_one(client, PROMPTS[1], n_tokens, headers)
+
+    on = cache_settings(16).model_copy(update={"admin_token": TOKEN})
+    with serve(vulkan_binary, model.path, on, env, tmp_path) as (client, _):
+        body = ExpertCacheProfile.from_tables(
+            "logic", freq=fitted.domain_freq["logic"], transitions=fitted.domain_transitions["logic"]
+        )
+        assert post_profile(client, body).status_code == 200
+        got = greedy_one(client, PROMPTS[1], n_tokens, headers)
+        loads, prefetched = metric(client, "moe_cache_loads_total"), metric(client, "moe_cache_prefetch_total")
+    assert got == expected
+    assert loads > 0 and prefetched > 0
+
+
+@pytest.mark.skipif(not ESFT_NPZ.is_file(), reason=f"the ESFT routing data is not at {ESFT_NPZ}")
+def test_two_concurrent_requests_of_two_domains_with_prefetch_get_the_tokens_they_get_alone(
+    vulkan_binary: Path, models: dict[str, Model], tmp_path: Path
+) -> None:
+    """-np 2, a request of each domain at once, each domain with its own prior and transitions (fitted on
+    two ESFT tasks, cut to the model's layers): the cache prefetches and switches tables between
+    micro-batches, and the tokens are still the cache-off ones."""
+    model = models["ds-v2-lite"]
+    expected = cache_off_reference(vulkan_binary, model, tmp_path)
+    law = from_esft_npz(ESFT_NPZ, tasks=["law"], seqs=slice(0, 20), layers=N_MOE)
+    translation = from_esft_npz(ESFT_NPZ, tasks=["translation"], seqs=slice(0, 20), layers=N_MOE)
+    fitted = fit_profile(
+        np.concatenate([law.ids, translation.ids]),
+        ["logic"] * law.n_token + ["translate"] * translation.n_token,
+        SHAPE.n_expert,
+    )
+    on = cache_settings(SHAPE.n_expert_used + 2, parallel=2).model_copy(update={"admin_token": TOKEN})
+    with serve(vulkan_binary, model.path, on, {}, tmp_path) as (client, _):
+        for domain in ("logic", "translate"):
+            body = ExpertCacheProfile.from_tables(
+                domain, freq=fitted.domain_freq[domain], transitions=fitted.domain_transitions[domain]
+            )
+            assert post_profile(client, body).status_code == 200
+        domains = ["logic", "translate"]
+        with ThreadPoolExecutor(2) as pool:
+            got = list(
+                pool.map(lambda i: greedy_one(client, PROMPTS[i], N_PREDICT, {"X-MoE-Domain": domains[i]}), [0, 1])
+            )
+        prefetched = metric(client, "moe_cache_prefetch_total")
+    assert got == expected
+    assert prefetched > 0
+
+
+@pytest.mark.skipif(not ESFT_NPZ.is_file(), reason=f"the ESFT routing data is not at {ESFT_NPZ}")
 def test_the_flywheel_profile_drives_prefetch_exactly_as_the_python_policy(
     vulkan_binary: Path, models: dict[str, Model], tmp_path: Path
 ) -> None:
