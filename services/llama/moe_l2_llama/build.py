@@ -17,8 +17,6 @@ Standard library only: the llama image runs this file as a script in a bare CUDA
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -30,15 +28,16 @@ import sys
 import tarfile
 import time
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 try:
     from . import cuda_toolchain, source_archive
+    from .locking import file_lock
 except ImportError:  # run as a script (the image's builder stage): the modules sit next to this file
     import cuda_toolchain
     import source_archive
+    from locking import file_lock
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 SDIST_NAME = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
@@ -454,18 +453,6 @@ def compile_server(
     if not binary.is_file():
         raise BuildError(f"the build finished but {binary} is missing; see {log_path}")
     return binary
-
-
-@contextlib.contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    """Parallel callers (test workers, `moe-l2 up` twice) build once and share the result."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def cuda_flags(cache: Path) -> list[str]:

@@ -14,8 +14,6 @@ module next to build.py (the image runs build.py as a script).
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import os
 import re
@@ -25,6 +23,11 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+try:
+    from .locking import file_lock
+except ImportError:  # run as a script next to build.py (the image's builder stage)
+    from locking import file_lock
 
 # cuBLAS for CUDA 13 from PyPI: headers plus libcublas.so.13 and libcublasLt.so.13.
 CUBLAS_PACKAGE = "nvidia-cublas"
@@ -149,18 +152,6 @@ def _find_cublas(toolkit: Toolkit) -> bool:
     return headers and any((d / "libcublas.so").exists() for d in lib_dirs)
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """Two builds (two keys) may prepare the toolchain at once; one does, the other waits."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def cublas_dir(cache: Path) -> Path:
     return cache / "cuda" / f"cublas-{CUBLAS_VERSION}"
 
@@ -205,7 +196,7 @@ def install_cublas(cache: Path, toolkit: Toolkit) -> tuple[Path, Path]:
     target = cublas_dir(cache)
     # The wheel lays CUDA 13 libraries out as nvidia/cu13/{include,lib}.
     include, lib = target / "nvidia" / "cu13" / "include", target / "nvidia" / "cu13" / "lib"
-    with _locked(target.with_name(target.name + ".lock")):
+    with file_lock(target.with_name(target.name + ".lock")):
         if not (lib / "libcublas.so.13").is_file():
             partial = target.with_name(target.name + ".part")
             shutil.rmtree(partial, ignore_errors=True)
@@ -250,7 +241,7 @@ def build_driver_stub(cache: Path, toolkit: Toolkit) -> Path:
     digest = hashlib.sha256(source + toolkit.version.encode()).hexdigest()[:16]
     out_dir = cache / "cuda" / "stub" / digest
     stub = out_dir / "libcuda.so"
-    with _locked(cache / "cuda" / "stub.lock"):
+    with file_lock(cache / "cuda" / "stub.lock"):
         if stub.is_file():
             return stub
         out_dir.mkdir(parents=True, exist_ok=True)
