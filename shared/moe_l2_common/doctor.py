@@ -2,8 +2,8 @@
 
 Python and packages, the patched llama-server binary, the model, GPU and driver (NVML), the memlock
 limit against the pool budget, /dev/shm, free disk, Redis, the health of each running service,
-llama's expert cache, the restarts `moe-l2 up` made, and the admin token: present, private (mode 0600), required by the
-services' admin calls and accepted by them.
+llama's expert cache, the restarts `moe-l2 up` made, and the admin token: present, private (mode
+0600), required by the services' admin calls and accepted by them.
 """
 
 from __future__ import annotations

@@ -101,6 +101,17 @@ def test_the_flywheel_tables_reach_the_cache_of_the_layers_it_holds(
         wait_for(lambda: sample(manager, "engine_profile_pushes_total") >= pushes + 2, "another round of pushes")
         assert cache_shape(client).profile == ["codegen", "translate"]
 
+        # Redis down: rounds fail with one log line and no traceback, llama keeps its priors; back up, they go on
+        redis_server.stop()
+        wait_for(lambda: sample(manager, "engine_profile_errors_total") >= 2, "rounds failing without Redis")
+        assert cache_shape(client).profile == ["codegen", "translate"]
+        redis_server.start()
+        pushes = sample(manager, "engine_profile_pushes_total")
+        wait_for(lambda: sample(manager, "engine_profile_pushes_total") >= pushes + 2, "pushes after Redis is back")
+    log = manager.log.read_text()
+    assert log.count("Redis unreachable, the priors are not updated") == 1
+    assert "Traceback" not in log
+
 
 @pytest.mark.llama
 def test_without_the_cache_the_feeder_waits_quietly(

@@ -28,6 +28,7 @@ import httpx
 import numpy as np
 from numpy.typing import NDArray
 from pydantic import ValidationError
+from redis.exceptions import RedisError
 
 from moe_l2_cache.flywheel import Flywheel
 from moe_l2_common.domains import UNTAGGED
@@ -103,20 +104,26 @@ class EngineCacheFeeder:
                 if freq is not None:
                     await self._post(ExpertCacheProfile.from_tables(domain, freq=freq))
                     pushed += 1
+        except RedisError as e:  # the tables are read again next round; llama keeps the last ones meanwhile
+            return self._failed("Redis unreachable, the priors are not updated", f"{type(e).__name__}: {e}")
         except _FeedError as e:
-            self.counters.errors += 1
-            self.counters.last_error = str(e)
-            self._settle("error", str(e))
-            return 0
+            return self._failed(str(e))
         self.counters.pushes += pushed
         self.counters.last_push_at = time.time()
         self._settle("on", f"sending the routing priors of {pushed} domains to llama's expert cache")
         return pushed
 
-    def _settle(self, state: str, reason: str) -> None:
+    def _failed(self, reason: str, detail: str = "") -> int:
+        self.counters.errors += 1
+        self.counters.last_error = f"{reason}: {detail}" if detail else reason
+        self._settle("error", reason, detail)
+        return 0
+
+    def _settle(self, state: str, reason: str, detail: str = "") -> None:
+        """Logs the reason when it changes (its detail, such as an exception's text, may vary meanwhile)."""
         self.counters.state = state
         if reason != self._problem:
-            (log.warning if state == "error" else log.info)("%s", reason)
+            (log.warning if state == "error" else log.info)("%s", f"{reason}: {detail}" if detail else reason)
             self._problem = reason
 
     async def _shape(self) -> ExpertCacheShape | None:
