@@ -149,6 +149,7 @@ SERIES = [
     "0010-expert-cache-prefetch.patch",
     "0011-server-expert-cache-profile.patch",
     "0012-server-expert-cache-layers.patch",
+    "0013-expert-cache-domain-counters.patch",
 ]
 
 

@@ -1,4 +1,4 @@
-"""The expert cache in llama-server (patches 0007-0012, `--moe-cache-bytes`), on the software GPU.
+"""The expert cache in llama-server (patches 0007-0013, `--moe-cache-bytes`), on the software GPU.
 
 The reduced `ds-v2-lite` shape (3 MoE layers of 64 experts, top-6, Q4_K/Q4_0 experts) runs with its
 experts in host memory (`--cpu-moe`) and the cache on llvmpipe's Vulkan device:
@@ -35,7 +35,7 @@ from moe_l2_common.doctor import check_expert_cache
 from moe_l2_common.model_shapes import get_shape, sizes
 from moe_l2_common.route_trace import from_esft_npz, write_route_trace
 from moe_l2_common.schemas.llama import ExpertCacheProfile, ExpertCacheProfileResult, ExpertCacheShape, decode_f32
-from moe_l2_common.stats import OpsSettings, expert_cache_summary, parse_metrics
+from moe_l2_common.stats import OpsSettings, expert_cache_summary, parse_metrics, render_expert_cache
 from moe_l2_llama.settings import LlamaSettings, device_env, llama_server_command, llama_server_env
 from tests.observability.test_observability import DASHBOARD, metric_names, needs_expert_cache, query_panels
 from tests.test_route_trace import ESFT_NPZ
@@ -175,13 +175,22 @@ def test_64_tokens_under_the_esft_trace_equal_the_cache_off(
     assert loads > 0 and prefetched > 0
 
 
+def domain_counters(client: httpx.Client) -> dict[str, tuple[int, int]]:
+    """domain -> (accesses, hits) of the cache's per-domain counters."""
+    samples = parse_metrics(client.get("/metrics").text)
+    hits = {labels["domain"]: v for labels, v in samples["llamacpp:moe_cache_domain_hits_total"]}
+    return {labels["domain"]: (int(v), int(hits[labels["domain"]])) for labels, v in
+            samples["llamacpp:moe_cache_domain_accesses_total"]}  # fmt: skip
+
+
 @pytest.mark.skipif(not ESFT_NPZ.is_file(), reason=f"the ESFT routing data is not at {ESFT_NPZ}")
 def test_two_concurrent_requests_of_two_domains_with_prefetch_get_the_tokens_they_get_alone(
     vulkan_binary: Path, models: dict[str, Model], tmp_path: Path
 ) -> None:
     """-np 2, a request of each domain at once, each domain with its own prior and transitions (fitted on
     two ESFT tasks, cut to the model's layers): the cache prefetches and switches tables between
-    micro-batches, and the tokens are still the cache-off ones."""
+    micro-batches, and the tokens are still the cache-off ones. Each domain's counters charge it the
+    experts its own tokens used: the accesses of each are what the same request counts alone."""
     model = models["ds-v2-lite"]
     expected = cache_off_reference(vulkan_binary, model, tmp_path)
     law = from_esft_npz(ESFT_NPZ, tasks=["law"], seqs=slice(0, 20), layers=N_MOE)
@@ -191,21 +200,55 @@ def test_two_concurrent_requests_of_two_domains_with_prefetch_get_the_tokens_the
         ["logic"] * law.n_token + ["translate"] * translation.n_token,
         SHAPE.n_expert,
     )
-    on = cache_settings(SHAPE.n_expert_used + 2, parallel=2).model_copy(update={"admin_token": TOKEN})
-    with serve(vulkan_binary, model.path, on, {}, tmp_path) as (client, _):
-        for domain in ("logic", "translate"):
-            body = ExpertCacheProfile.from_tables(
-                domain, freq=fitted.domain_freq[domain], transitions=fitted.domain_transitions[domain]
-            )
-            assert post_profile(client, body).status_code == 200
-        domains = ["logic", "translate"]
+    bodies = [
+        ExpertCacheProfile.from_tables(d, freq=fitted.domain_freq[d], transitions=fitted.domain_transitions[d])
+        for d in ("logic", "translate")
+    ]
+    domains = ["logic", "translate"]
+
+    def both_at_once(client: httpx.Client) -> list[list[int]]:
         with ThreadPoolExecutor(2) as pool:
-            got = list(
+            return list(
                 pool.map(lambda i: greedy_one(client, PROMPTS[i], N_PREDICT, {"X-MoE-Domain": domains[i]}), [0, 1])
             )
+
+    on = cache_settings(SHAPE.n_expert_used + 2, parallel=2).model_copy(update={"admin_token": TOKEN})
+    with serve(vulkan_binary, model.path, on, {}, tmp_path) as (client, _):
+        assert all(post_profile(client, body).status_code == 200 for body in bodies)
+        got = both_at_once(client)
         prefetched = metric(client, "moe_cache_prefetch_total")
     assert got == expected
     assert prefetched > 0
+
+    # Attribution: the requests together, then each alone. A domain's accesses do not depend on what is
+    # resident, so each is charged the same both times, when (1) every expert fits (a micro-batch over the
+    # slots is left to the default copy and counted nowhere) and (2) the routing is the same: the model's
+    # own router picks differently when its matmuls run for two tokens instead of one (measured: 187/279
+    # accesses together against 189/231 alone), so every request replays one ESFT sequence. Alone, a
+    # domain's counters are the totals' increments.
+    one_sequence = tmp_path / "one.trace"
+    write_route_trace(from_esft_npz(ESFT_NPZ, tasks=["law"], seqs=slice(0, 1), layers=N_MOE), one_sequence)
+    every = cache_settings(SHAPE.n_expert, parallel=2).model_copy(update={"admin_token": TOKEN})
+    with serve(vulkan_binary, model.path, every, {"LLAMA_MOE_ROUTE_TRACE": str(one_sequence)}, tmp_path) as (
+        client,
+        _,
+    ):
+        assert all(post_profile(client, body).status_code == 200 for body in bodies)
+        before = domain_counters(client)
+        assert set(before) == {"untagged"}  # the server's warm-up
+        both_at_once(client)
+        together = domain_counters(client)
+        assert all(0 < together[d][1] <= together[d][0] for d in domains)
+        alone: dict[str, int] = {}
+        for i, domain in enumerate(domains):
+            start = domain_counters(client)[domain]
+            accesses, hits = metric(client, "moe_cache_accesses_total"), metric(client, "moe_cache_hits_total")
+            greedy_one(client, PROMPTS[i], N_PREDICT, {"X-MoE-Domain": domain})
+            end = domain_counters(client)[domain]
+            own = (metric(client, "moe_cache_accesses_total") - accesses, metric(client, "moe_cache_hits_total") - hits)
+            assert (end[0] - start[0], end[1] - start[1]) == own
+            alone[domain] = own[0]
+    assert {d: together[d][0] for d in domains} == alone
 
 
 @pytest.mark.skipif(not ESFT_NPZ.is_file(), reason=f"the ESFT routing data is not at {ESFT_NPZ}")
@@ -281,6 +324,18 @@ def test_the_flywheel_profile_drives_prefetch_exactly_as_the_python_policy(
     assert summary is not None and summary["slots"] == slots and summary["layers"] == N_MOE
     assert summary["hit_rate"] == round(engine["hits"] / engine["accesses"], 4)
     assert summary["h2d_bytes_per_token"] and summary["h2d_bytes_per_token"] > 0
+    # one request at a time: every micro-batch is of one domain, so the domains' counters add up to the totals
+    by_domain = {
+        name: {labels["domain"]: v for labels, v in samples[f"llamacpp:moe_cache_domain_{name}_total"]}
+        for name in ("accesses", "hits")
+    }
+    assert set(by_domain["accesses"]) == {"untagged", "logic", "translate"}  # untagged: the server's warm-up
+    assert (sum(by_domain["accesses"].values()), sum(by_domain["hits"].values())) == (
+        engine["accesses"],
+        engine["hits"],
+    )
+    assert set(summary["hit_rate_by_domain"]) == {"untagged", "logic", "translate"}
+    assert "(per domain: logic " in render_expert_cache(summary)
     panels = [p for p in query_panels(DASHBOARD) if needs_expert_cache(p)]
     panel_names = {n for p in panels for t in p["targets"] for n in metric_names(t["expr"])}
     assert panel_names and panel_names <= set(samples)

@@ -196,6 +196,8 @@ def expert_cache_summary(llama: Samples | None) -> dict[str, Any] | None:
         _total(llama, "llamacpp:tokens_predicted_total") or 0.0
     )
     prefetch = _total(llama, "llamacpp:moe_cache_prefetch_total")
+    domain_accesses = _by(llama, "llamacpp:moe_cache_domain_accesses_total", "domain")
+    domain_hits = _by(llama, "llamacpp:moe_cache_domain_hits_total", "domain")
     return {
         "slots": slots,
         "layers": _total(llama, "llamacpp:moe_cache_layers"),
@@ -208,6 +210,8 @@ def expert_cache_summary(llama: Samples | None) -> dict[str, Any] | None:
         "h2d_bytes_per_token": round(copied / tokens, 1) if tokens else None,
         "prefetch": prefetch,
         "prefetch_used_share": _ratio(_total(llama, "llamacpp:moe_cache_prefetch_used_total"), prefetch),
+        # each token charged to its request's domain (patch 0013); the server's warm-up is "untagged"
+        "hit_rate_by_domain": {d: _ratio(domain_hits.get(d, 0.0), n) for d, n in domain_accesses.items() if n},
         "hit_rate_now": None,  # filled in by `take` from two scrapes
         "h2d_bytes_per_token_now": None,
     }
@@ -320,6 +324,8 @@ def render_expert_cache(cache: dict[str, Any] | None) -> str:
         text += f" (now {format_bytes(cache['h2d_bytes_per_token_now'])})"
     if cache["prefetch"]:
         text += f", prefetched {_num(cache['prefetch'])} ({_pct(cache['prefetch_used_share'])} used)"
+    if by_domain := cache.get("hit_rate_by_domain"):
+        text += " (per domain: " + ", ".join(f"{d} {_pct(v)}" for d, v in sorted(by_domain.items())) + ")"
     return text
 
 
