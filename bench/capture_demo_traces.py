@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import secrets
 import sys
 import tempfile
 import time
@@ -26,6 +27,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from moe_l2_common.admin import ADMIN_TOKEN_HEADER
 from moe_l2_common.demo_model import load_planted, make_demo_model
 from moe_l2_common.supervisor import ServiceSpec, Supervisor, free_port, http_ok
 from moe_l2_llama.settings import LlamaSettings, llama_server_binary, llama_server_command, llama_server_env
@@ -136,8 +138,11 @@ def expert_bytes(model: Path) -> int:
     return sum(per_layer.values()) // max(n_expert, 1)
 
 
-def start_server(model: Path, log_dir: Path) -> tuple[Supervisor, str]:
-    settings = LlamaSettings(llama_port=free_port(), parallel=1, ctx_size=2048, telemetry=True, threads=2)
+def start_server(model: Path, log_dir: Path, admin_token: str) -> tuple[Supervisor, str]:
+    # the pull with reset=1 is an admin call: this private server gets a token of its own
+    settings = LlamaSettings(
+        llama_port=free_port(), parallel=1, ctx_size=2048, telemetry=True, threads=2, admin_token=admin_token
+    )
     base = f"http://{settings.llama_host}:{settings.llama_port}"
     supervisor = Supervisor(log_dir)
     binary = llama_server_binary(settings)
@@ -167,10 +172,11 @@ def main(argv: list[str] | None = None) -> int:
         model = Path(tmp) / "demo.gguf"
         make_demo_model(model, seed=0)
         planted = load_planted(model)
-        supervisor, base = start_server(model, Path(tmp) / "logs")
+        token = secrets.token_hex(16)
+        supervisor, base = start_server(model, Path(tmp) / "logs", token)
         started = time.monotonic()
         try:
-            with httpx.Client(base_url=base, timeout=60) as client:
+            with httpx.Client(base_url=base, timeout=60, headers={ADMIN_TOKEN_HEADER: token}) as client:
                 cap = capture(client, planted, args.requests, args.gen, args.seed)
         finally:
             supervisor.stop()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -116,3 +117,29 @@ def test_esft_belady_bounds_lru_and_prefetch_precision_is_real(bench):
     assert rates["belady"]["loads_per_token"] < rates["lru"]["loads_per_token"]
     # Cross-layer prediction is far better than chance (6 of 64 = 9%), and not perfect.
     assert 0.3 < rates["xlayer_prefetch"]["prefetch"]["precision"] < 0.8
+
+
+@pytest.mark.llama
+def test_demo_traces_are_captured_from_the_real_server(llama_binary: Path, tmp_path: Path) -> None:
+    """bench/capture_demo_traces.py against the patched server: its pulls (reset=1) are admin calls,
+    which a server without a token refuses (the study once skipped the demo source on that 401)."""
+    out = tmp_path / "traces.npz"
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "capture_demo_traces.py"),
+            "--requests",
+            "1",
+            "--gen",
+            "3",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "MOE_L2_LLAMA_SERVER": str(llama_binary)},
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    traces = np.load(out)
+    assert traces["experts"].ndim == 3 and len(traces["experts"]) > 0
