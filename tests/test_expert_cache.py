@@ -192,7 +192,13 @@ def test_two_concurrent_requests_of_two_domains_with_prefetch_get_the_tokens_the
     micro-batches, and the tokens are still the cache-off ones. Each domain's counters charge it the
     experts its own tokens used: the accesses of each are what the same request counts alone."""
     model = models["ds-v2-lite"]
-    expected = cache_off_reference(vulkan_binary, model, tmp_path)
+    # A micro-batch of both requests is of no domain: no prior, no transitions, no prefetch. Whether the two
+    # ever decode apart depends on when each arrives (CI once had them in step all the way: 0 prefetches),
+    # so the second asks for more tokens and decodes its last ones alone, whatever the timing.
+    lengths = (N_PREDICT, 3 * N_PREDICT)
+    off = base_settings(gpu_layers=99, llama_extra_args="--cpu-moe -lv 4")
+    with serve(vulkan_binary, model.path, off, {}, tmp_path) as (client, _):
+        expected = [greedy_one(client, PROMPTS[i], lengths[i]) for i in (0, 1)]
     law = from_esft_npz(ESFT_NPZ, tasks=["law"], seqs=slice(0, 20), layers=N_MOE)
     translation = from_esft_npz(ESFT_NPZ, tasks=["translation"], seqs=slice(0, 20), layers=N_MOE)
     fitted = fit_profile(
@@ -206,16 +212,16 @@ def test_two_concurrent_requests_of_two_domains_with_prefetch_get_the_tokens_the
     ]
     domains = ["logic", "translate"]
 
-    def both_at_once(client: httpx.Client) -> list[list[int]]:
+    def both_at_once(client: httpx.Client, lengths: tuple[int, int]) -> list[list[int]]:
         with ThreadPoolExecutor(2) as pool:
             return list(
-                pool.map(lambda i: greedy_one(client, PROMPTS[i], N_PREDICT, {"X-MoE-Domain": domains[i]}), [0, 1])
+                pool.map(lambda i: greedy_one(client, PROMPTS[i], lengths[i], {"X-MoE-Domain": domains[i]}), [0, 1])
             )
 
     on = cache_settings(SHAPE.n_expert_used + 2, parallel=2).model_copy(update={"admin_token": TOKEN})
     with serve(vulkan_binary, model.path, on, {}, tmp_path) as (client, _):
         assert all(post_profile(client, body).status_code == 200 for body in bodies)
-        got = both_at_once(client)
+        got = both_at_once(client, lengths)
         prefetched = metric(client, "moe_cache_prefetch_total")
     assert got == expected
     assert prefetched > 0
@@ -224,11 +230,17 @@ def test_two_concurrent_requests_of_two_domains_with_prefetch_get_the_tokens_the
     # resident, so each is charged the same both times, when (1) every expert fits (a micro-batch over the
     # slots is left to the default copy and counted nowhere) and (2) the routing is the same: the model's
     # own router picks differently when its matmuls run for two tokens instead of one (measured: 187/279
-    # accesses together against 189/231 alone), so every request replays one ESFT sequence. Alone, a
-    # domain's counters are the totals' increments.
+    # accesses together against 189/231 alone), so every request replays one ESFT sequence; and (3) each
+    # request's rows fall into the same micro-batches: with a KV stream per slot the server splits a batch
+    # of two sequences into micro-batches of equal rows per sequence, so a prompt that arrives while the
+    # other request decodes runs in pieces (measured: translate charged 273 instead of 239, 1 run in 6),
+    # hence -kvu, one stream, where a prompt stays one micro-batch. Alone, a domain's counters are the
+    # totals' increments.
     one_sequence = tmp_path / "one.trace"
     write_route_trace(from_esft_npz(ESFT_NPZ, tasks=["law"], seqs=slice(0, 1), layers=N_MOE), one_sequence)
-    every = cache_settings(SHAPE.n_expert, parallel=2).model_copy(update={"admin_token": TOKEN})
+    every = cache_settings(SHAPE.n_expert, parallel=2).model_copy(
+        update={"admin_token": TOKEN, "llama_extra_args": "--cpu-moe -lv 4 -kvu"}
+    )
     with serve(vulkan_binary, model.path, every, {"LLAMA_MOE_ROUTE_TRACE": str(one_sequence)}, tmp_path) as (
         client,
         _,
@@ -236,7 +248,7 @@ def test_two_concurrent_requests_of_two_domains_with_prefetch_get_the_tokens_the
         assert all(post_profile(client, body).status_code == 200 for body in bodies)
         before = domain_counters(client)
         assert set(before) == {"untagged"}  # the server's warm-up
-        both_at_once(client)
+        both_at_once(client, (N_PREDICT, N_PREDICT))
         together = domain_counters(client)
         assert all(0 < together[d][1] <= together[d][0] for d in domains)
         alone: dict[str, int] = {}
