@@ -150,6 +150,7 @@ SERIES = [
     "0011-server-expert-cache-profile.patch",
     "0012-server-expert-cache-layers.patch",
     "0013-expert-cache-domain-counters.patch",
+    "0014-expert-cache-free-share.patch",
 ]
 
 

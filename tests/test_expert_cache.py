@@ -1,4 +1,4 @@
-"""The expert cache in llama-server (patches 0007-0013, `--moe-cache-bytes`), on the software GPU.
+"""The expert cache in llama-server (patches 0007-0014, `--moe-cache-bytes`), on the software GPU.
 
 The reduced `ds-v2-lite` shape (3 MoE layers of 64 experts, top-6, Q4_K/Q4_0 experts) runs with its
 experts in host memory (`--cpu-moe`) and the cache on llvmpipe's Vulkan device:
@@ -13,6 +13,8 @@ experts in host memory (`--cpu-moe`) and the cache on llvmpipe's Vulkan device:
   transitions fitted on the ESFT trace, which the server replays as its routing), the default policy
   prefetches; tokens still equal the cache off, and the engine's hits, loads and prefetches equal the
   replay given the same tables, across a domain switch;
+- a budget given as a share of the free device memory (`--moe-cache-bytes N%`) takes that share of what
+  the device reports and holds the slots those bytes hold;
 - budgets that cannot work are one clear line: below top-k or on a CPU build refuses to start, a
   model with every expert on the device runs without the cache.
 """
@@ -431,9 +433,55 @@ def test_a_cpu_build_refuses_the_cache(llama_binary: Path, models: dict[str, Mod
     assert "expert cache: no GPU device to hold it" in log
 
 
+def share_line(log: str) -> tuple[float, float, str, float]:
+    """(share %, free MiB, device, cache MiB) of the line a --moe-cache-bytes N% start logs."""
+    found = re.search(r"expert cache: ([\d.]+)% of the ([\d.]+) MiB free on (\S+): ([\d.]+) MiB", log)
+    assert found, log[-3000:]
+    return float(found[1]), float(found[2]), found[3], float(found[4])
+
+
+def slots_of(log: str) -> int:
+    found = re.search(rf"expert cache: (\d+) of {SHAPE.n_expert} experts per layer", log)
+    assert found, log[-3000:]
+    return int(found[1])
+
+
+def test_a_share_of_the_free_device_memory_sizes_the_cache(vulkan_binary: Path, models: dict[str, Model]) -> None:
+    """--moe-cache-bytes N%: the share of the device memory the weights and the KV cache leave free, read
+    from the device when the context is created; the slots are what those bytes hold."""
+    path = models["ds-v2-lite"].path
+    code, log = start(vulkan_binary, path, cache_settings(16).model_copy(update={"expert_cache_bytes": "100%"}))
+    assert code is None, log[-2000:]
+    pct, free_mib, device, mib = share_line(log)
+    assert (pct, device) == (100, "Vulkan0") and free_mib > 0 and abs(mib - free_mib) < 0.01
+    assert slots_of(log) == SHAPE.n_expert  # more than every expert needs: all of them, and no more
+
+    per_slot = EXPERT_BYTES * N_MOE  # one slot in each cached layer
+    share = 100 * 16.5 * per_slot / (free_mib * 2**20)  # about 16 slots, at what the device had free just now
+    about_16 = cache_settings(16).model_copy(update={"expert_cache_bytes": f"{share:.6f}%"})
+    code, log = start(vulkan_binary, path, about_16)
+    assert code is None, log[-2000:]
+    _, _, _, mib = share_line(log)
+    assert slots_of(log) in {int((mib + d) * 2**20 // per_slot) for d in (-0.005, 0.005)}  # MiB to 2 decimals
+    assert 8 <= slots_of(log) <= 24, "the device's free memory moved by more than half between two starts"
+
+
+def test_a_share_too_small_for_top_k_refuses_to_start(vulkan_binary: Path, models: dict[str, Model]) -> None:
+    s = cache_settings(16).model_copy(update={"expert_cache_bytes": "0.0001%"})
+    code, log = start(vulkan_binary, models["ds-v2-lite"].path, s)
+    assert code not in (None, 0), log[-2000:]
+    share_line(log)
+    assert f"fewer than the {SHAPE.n_expert_used} experts a token uses" in log
+
+
 @pytest.mark.parametrize(
     ("size", "message"),
-    [("lots", "expected a size such as 4G, 512M or a number of bytes, got 'lots'"), ("4 lots", "unknown size suffix")],
+    [
+        ("lots", "expected a size such as 4G, 512M or a number of bytes, got 'lots'"),
+        ("4 lots", "unknown size suffix"),
+        ("150%", "expected a share of the free device memory from 0% (off) to 100%, such as 70%, got '150%'"),
+        ("x%", "expected a share of the free device memory"),
+    ],
 )
 def test_the_cache_size_is_checked_by_the_flag_parser(
     llama_binary: Path, models: dict[str, Model], size: str, message: str

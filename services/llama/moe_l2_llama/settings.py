@@ -46,8 +46,9 @@ class LlamaSettings(BaseSettings):
     admin_token: str = Field(default="", description="required by llama's admin calls (see moe_l2_common.admin)")
     expert_cache_bytes: str = Field(
         default="",
-        pattern=r"^(|\d+([KkMmGgTt]([Ii]?[Bb])?|[Bb])?)$",
-        description="device memory for the expert cache (--moe-cache-bytes), e.g. 4G or 512M; empty or 0: off. "
+        pattern=r"^(|\d+([KkMmGgTt]([Ii]?[Bb])?|[Bb])?|\d+(\.\d+)?%)$",
+        description="device memory for the expert cache (--moe-cache-bytes), e.g. 4G or 512M, or a share of "
+        "the device memory left free once the weights and the KV cache are placed, e.g. 70%; empty, 0 or 0%: off. "
         "It needs a GPU build and experts kept in host memory (n_cpu_moe, or --cpu-moe in llama_extra_args)",
     )
     expert_cache_policy: Literal["default", "hybrid", "lru"] = Field(
@@ -85,7 +86,7 @@ def llama_server_command(binary: Path, model: Path, settings: LlamaSettings) -> 
         cmd += ["--n-cpu-moe", str(settings.n_cpu_moe)]
     if settings.gpu_layers is not None:
         cmd += ["--gpu-layers", str(settings.gpu_layers)]
-    if settings.expert_cache_bytes and re.sub(r"\D", "", settings.expert_cache_bytes).strip("0"):
+    if re.sub(r"[^1-9]", "", settings.expert_cache_bytes):  # any nonzero digit: not off
         cmd += ["--moe-cache-bytes", settings.expert_cache_bytes, "--moe-cache-policy", settings.expert_cache_policy]
     repack = settings.cpu_repack if settings.cpu_repack is not None else not cpu_has_amx()
     if not repack:
