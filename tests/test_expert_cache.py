@@ -340,16 +340,24 @@ def test_the_flywheel_profile_drives_prefetch_exactly_as_the_python_policy(
     assert summary["h2d_bytes_per_token"] and summary["h2d_bytes_per_token"] > 0
     # one request at a time: every micro-batch is of one domain, so the domains' counters add up to the totals
     by_domain = {
-        name: {labels["domain"]: v for labels, v in samples[f"llamacpp:moe_cache_domain_{name}_total"]}
-        for name in ("accesses", "hits")
+        name: {labels["domain"]: int(v) for labels, v in samples[f"llamacpp:moe_cache_domain_{name}_total"]}
+        for name in ("accesses", "hits", "prefetch", "prefetch_used", "h2d_bytes")
     }
     assert set(by_domain["accesses"]) == {"untagged", "logic", "translate"}  # untagged: the server's warm-up
     assert (sum(by_domain["accesses"].values()), sum(by_domain["hits"].values())) == (
         engine["accesses"],
         engine["hits"],
     )
+    assert sum(by_domain["prefetch"].values()) == engine["prefetch"]
+    assert sum(by_domain["prefetch_used"].values()) == engine["prefetch_used"]
+    assert by_domain["h2d_bytes"] == {
+        d: (by_domain["accesses"][d] - by_domain["hits"][d] + by_domain["prefetch"][d]) * shape.slot_bytes
+        for d in by_domain["accesses"]
+    }
     assert set(summary["hit_rate_by_domain"]) == {"untagged", "logic", "translate"}
-    assert "(per domain: logic " in render_expert_cache(summary)
+    assert summary["h2d_bytes_by_domain"] == by_domain["h2d_bytes"]
+    rendered = render_expert_cache(summary)
+    assert "(per domain: logic " in rendered and " copied, translate " in rendered
     panels = [p for p in query_panels(DASHBOARD) if needs_expert_cache(p)]
     panel_names = {n for p in panels for t in p["targets"] for n in metric_names(t["expr"])}
     assert panel_names and panel_names <= set(samples)
@@ -372,6 +380,15 @@ def test_the_flywheel_profile_drives_prefetch_exactly_as_the_python_policy(
         "prefetch": replay.prefetch,
         "prefetch_used": replay.prefetch_used,
     }
+    # each domain's prefetches, made with its own tables (translate has none: the tables of no domain serve
+    # it), and their use, as the replay charges them
+    engine_by_domain = {
+        None if d == "untagged" else d: (p, by_domain["prefetch_used"][d])
+        for d, p in by_domain["prefetch"].items()
+        if p or by_domain["prefetch_used"][d]
+    }
+    assert engine_by_domain == replay.prefetch_by_domain
+    assert "logic" in engine_by_domain
 
 
 def test_the_profile_endpoint_says_when_the_cache_is_off(

@@ -198,6 +198,7 @@ def expert_cache_summary(llama: Samples | None) -> dict[str, Any] | None:
     prefetch = _total(llama, "llamacpp:moe_cache_prefetch_total")
     domain_accesses = _by(llama, "llamacpp:moe_cache_domain_accesses_total", "domain")
     domain_hits = _by(llama, "llamacpp:moe_cache_domain_hits_total", "domain")
+    domain_bytes = _by(llama, "llamacpp:moe_cache_domain_h2d_bytes_total", "domain")
     return {
         "slots": slots,
         "layers": _total(llama, "llamacpp:moe_cache_layers"),
@@ -212,6 +213,8 @@ def expert_cache_summary(llama: Samples | None) -> dict[str, Any] | None:
         "prefetch_used_share": _ratio(_total(llama, "llamacpp:moe_cache_prefetch_used_total"), prefetch),
         # each token charged to its request's domain (patch 0013); the server's warm-up is "untagged"
         "hit_rate_by_domain": {d: _ratio(domain_hits.get(d, 0.0), n) for d, n in domain_accesses.items() if n},
+        # its misses and its micro-batches' prefetches (an expert two domains miss together counts for both)
+        "h2d_bytes_by_domain": {d: b for d, b in domain_bytes.items() if domain_accesses.get(d)},
         "hit_rate_now": None,  # filled in by `take` from two scrapes
         "h2d_bytes_per_token_now": None,
     }
@@ -325,7 +328,15 @@ def render_expert_cache(cache: dict[str, Any] | None) -> str:
     if cache["prefetch"]:
         text += f", prefetched {_num(cache['prefetch'])} ({_pct(cache['prefetch_used_share'])} used)"
     if by_domain := cache.get("hit_rate_by_domain"):
-        text += " (per domain: " + ", ".join(f"{d} {_pct(v)}" for d, v in sorted(by_domain.items())) + ")"
+        copied = cache.get("h2d_bytes_by_domain") or {}
+        text += (
+            " (per domain: "
+            + ", ".join(
+                f"{d} {_pct(v)}" + (f" {format_bytes(copied[d])} copied" if d in copied else "")
+                for d, v in sorted(by_domain.items())
+            )
+            + ")"
+        )
     return text
 
 

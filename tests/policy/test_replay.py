@@ -119,10 +119,18 @@ def test_replay_with_a_profile_prefetches_and_switches_domain_where_the_log_does
         domain_transitions={"a": fitted.domain_transitions["a"]},
     )
     hits = 0
+    # a token's prefetch fills the layer the same token accesses next: all of it is the token's domain's
+    per_domain: dict[str | None, list[int]] = {}
     for t, domain in enumerate(domains):
         direct.on_domain(domain)
+        before = (direct.stats.loads, direct.stats.used)  # type: ignore[attr-defined]
         hits += sum(direct.access(layer, sorted(stream[t, layer].tolist())) for layer in range(3))
+        mine = per_domain.setdefault(domain, [0, 0])
+        mine[0] += direct.stats.loads - before[0]  # type: ignore[attr-defined]
+        mine[1] += direct.stats.used - before[1]  # type: ignore[attr-defined]
     assert counts.hits == hits
+    assert counts.prefetch_by_domain == {d: (p, u) for d, (p, u) in per_domain.items() if p or u}
+    assert sum(p for p, _ in counts.prefetch_by_domain.values()) == counts.prefetch
     assert (counts.loads, counts.prefetch, counts.prefetch_used) == (
         direct.inner.loads,  # type: ignore[attr-defined]
         direct.stats.loads,  # type: ignore[attr-defined]

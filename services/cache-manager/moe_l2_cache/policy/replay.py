@@ -15,14 +15,16 @@ replay is given the same tables, as the engine holds them (float32 widened to fl
 domain where the log does.
 
 The engine's counters (`/metrics`: moe_cache_accesses_total, _hits_total, _loads_total, _prefetch_total,
-_prefetch_used_total) must equal the replay's, exactly: the port computes the same floating-point
-operations in the same order, and ties keep the lower expert id on both sides (base.top_c_mask).
+_prefetch_used_total, and per domain _domain_prefetch_total and _domain_prefetch_used_total: a prefetch
+charged to the micro-batch that made it, its use to the same one) must equal the replay's, exactly: the
+port computes the same floating-point operations in the same order, and ties keep the lower expert id on
+both sides (base.top_c_mask).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from moe_l2_cache.policy.base import FloatArray, PolicyError
@@ -58,6 +60,8 @@ class ReplayCounts:
     bypass: int  # accesses over capacity, not replayed
     prefetch: int = 0  # experts copied in ahead of use
     prefetch_used: int = 0  # of those, the ones the layer then used
+    # domain (None: none, or several) -> (prefetch, prefetch_used) of the micro-batches of that domain
+    prefetch_by_domain: dict[str | None, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def misses(self) -> int:
@@ -116,6 +120,8 @@ def replay_accesses(
     cache.on_domain(None)
     domain: str | None = None
     hits = total = bypass = 0
+    by_domain: dict[str | None, list[int]] = {}
+    filled_by: list[str | None] = [None] * n_layer  # the domain whose prefetch last loaded into each layer
     for access in accesses:
         if access.layer >= n_layer:
             raise PolicyError(f"access at layer {access.layer}, but the cache has {n_layer} layers")
@@ -125,8 +131,16 @@ def replay_accesses(
         if access.domain != domain:
             domain = access.domain
             cache.on_domain(domain)
+        before = (cache.stats.loads, cache.stats.used) if isinstance(cache, CrossLayerPrefetch) else (0, 0)
         hits += cache.access(access.layer, access.experts)
         total += len(access.experts)
+        if isinstance(cache, CrossLayerPrefetch):
+            loaded, used = cache.stats.loads - before[0], cache.stats.used - before[1]
+            if used:
+                by_domain.setdefault(filled_by[access.layer], [0, 0])[1] += used
+            if loaded:
+                by_domain.setdefault(domain, [0, 0])[0] += loaded
+                filled_by[access.layer + 1] = domain
     if isinstance(cache, CrossLayerPrefetch):
         return ReplayCounts(
             accesses=total,
@@ -135,6 +149,7 @@ def replay_accesses(
             bypass=bypass,
             prefetch=cache.stats.loads,
             prefetch_used=cache.stats.used,
+            prefetch_by_domain={d: (p, u) for d, (p, u) in by_domain.items()},
         )
     loads = int(cache.loads)  # type: ignore[attr-defined]  # every policy of the registry counts loads
     return ReplayCounts(accesses=total, hits=hits, loads=loads, bypass=bypass)
