@@ -151,6 +151,7 @@ SERIES = [
     "0012-server-expert-cache-layers.patch",
     "0013-expert-cache-domain-counters.patch",
     "0014-expert-cache-free-share.patch",
+    "0015-server-moe-transitions.patch",
 ]
 
 

@@ -18,6 +18,7 @@ from moe_l2_llama.settings import (
     cpu_has_amx,
     device_env,
     llama_server_command,
+    llama_server_env,
 )
 
 SAPPHIRE_RAPIDS_FLAGS = "fpu vme avx512f avx512_vnni amx_bf16 avx512_fp16 amx_tile amx_int8"
@@ -60,6 +61,18 @@ def test_the_expert_cache_budget_is_a_size_or_a_share_and_zero_is_off(value: str
 def test_an_expert_cache_budget_that_is_neither_is_refused(value: str) -> None:
     with pytest.raises(ValueError, match="expert_cache_bytes"):
         LlamaSettings(expert_cache_bytes=value)
+
+
+@pytest.mark.parametrize(
+    ("cache", "transitions", "telemetry", "counted"),
+    [("", None, True, False), ("4G", None, True, True), ("70%", None, True, True), ("0%", None, True, False),
+     ("", True, True, True), ("4G", False, True, False), ("4G", None, False, False), ("", True, False, False)],
+)  # fmt: skip
+def test_transitions_are_counted_with_the_expert_cache_unless_set(
+    cache: str, transitions: bool | None, telemetry: bool, counted: bool
+) -> None:
+    settings = LlamaSettings(expert_cache_bytes=cache, transitions=transitions, telemetry=telemetry, admin_token="t")
+    assert llama_server_env(settings)["LLAMA_MOE_TRANSITIONS"] == ("1" if counted else "0")
 
 
 def write_info(tmp_path: Path, info: dict) -> Path:

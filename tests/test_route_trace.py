@@ -3,7 +3,9 @@
 A reduced ds-v2-lite model (4 layers: layer 0 dense, layers 1-3 MoE, the real expert shapes) runs the
 real patched llama-server with LLAMA_MOE_ROUTE_TRACE set to a trace of DeepSeek-V2-Lite's own routing on
 the ESFT `law` prompts, cut to 3 MoE layers. /moe/routing must then count exactly the trace's experts
-for the tokens the server evaluated, and the replayed experts must drive the computation.
+for the tokens the server evaluated, and the replayed experts must drive the computation. With
+LLAMA_MOE_TRANSITIONS (patch 0015) it must also count the trace's cross-layer pairs, exactly as
+`transition_counts` counts them on the same tokens.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import httpx
 import numpy as np
 import pytest
 
+from moe_l2_cache.policy.profile import transition_counts
 from moe_l2_common.model_shapes import get_shape, write_shape_model
 from moe_l2_common.route_trace import (
     ESFT_TASKS,
@@ -29,6 +32,7 @@ from moe_l2_common.route_trace import (
     read_route_trace,
     write_route_trace,
 )
+from moe_l2_common.schemas.llama import LayerPairCounts
 from moe_l2_common.supervisor import Supervisor, free_port
 from moe_l2_llama.service import llama_service_spec
 from moe_l2_llama.settings import LlamaSettings, llama_server_command, llama_server_env
@@ -146,9 +150,15 @@ def start_server(llama_binary: Path, model: Path, tmp_path_factory: pytest.TempP
     supervisor = Supervisor(tmp_path_factory.mktemp("route-trace-logs"))
     clients: list[httpx.Client] = []
 
-    def start(name: str, trace: Path | None) -> httpx.Client:
+    def start(name: str, trace: Path | None, transitions: bool = True) -> httpx.Client:
         settings = LlamaSettings(
-            llama_port=free_port(), parallel=1, ctx_size=1024, threads=2, telemetry=True, llama_extra_args=NO_REPACK
+            llama_port=free_port(),
+            parallel=1,
+            ctx_size=1024,
+            threads=2,
+            telemetry=True,
+            transitions=transitions,
+            llama_extra_args=NO_REPACK,
         )
         spec = llama_service_spec(name, llama_binary, model, settings)
         if trace is not None:
@@ -218,6 +228,17 @@ def expected_counts(trace: RouteTrace, seq: int, body: dict) -> dict[str, dict[s
     return expected
 
 
+def expected_pairs(trace: RouteTrace, seq: int, body: dict) -> dict[int, np.ndarray]:
+    """The trace's (a at l, b at l+1) counts over the tokens the server evaluated, by model layer l."""
+    n_prompt, n_eval = body["tokens_evaluated"], body["tokens_evaluated"] + body["tokens_predicted"] - 1
+    ids = trace.sequence(seq)
+    rows = ids[np.arange(n_eval) % len(ids)]
+    counts = transition_counts(rows, trace.n_expert)
+    # the last MoE layer sees only the output rows, so its pairs are those tokens' only
+    counts[-1] = transition_counts(rows[n_prompt - 1 :], trace.n_expert)[-1]
+    return {layer: counts[i] for i, layer in enumerate(MOE_LAYERS[:-1])}
+
+
 @pytest.mark.llama
 def test_routing_equals_the_trace(traced: list[Served], trace_path: Path) -> None:
     trace = read_route_trace(trace_path)
@@ -229,6 +250,21 @@ def test_routing_equals_the_trace(traced: list[Served], trace_path: Path) -> Non
         # request r replays sequence r mod n_seq: the third loops back to the first
         seq = request % trace.n_seq
         assert got["domains"]["untagged"] == expected_counts(trace, seq, body), f"request {request}"
+
+
+@pytest.mark.llama
+def test_transitions_equal_the_traces_pairs(traced: list[Served], trace_path: Path) -> None:
+    trace = read_route_trace(trace_path)
+    for request, served in enumerate(traced):
+        got = LayerPairCounts.model_validate(served.routing["transitions"]["untagged"]).tables(trace.n_expert)
+        want = expected_pairs(trace, request % trace.n_seq, served.body)
+        assert sorted(got) == sorted(want) == [1, 2], f"request {request}"
+        for layer in want:
+            assert np.array_equal(got[layer], want[layer]), f"request {request}, layers {layer}->{layer + 1}"
+        # every token has k experts at the next layer: a's row sums to k times a's activations at l
+        first = served.routing["domains"]["untagged"]["1"]
+        k = trace.n_used
+        assert {str(a): int(n) // k for a, n in enumerate(got[1].sum(axis=1)) if n} == first
 
 
 @pytest.mark.llama
@@ -245,10 +281,12 @@ def test_the_replayed_experts_are_the_ones_computed(traced: list[Served]) -> Non
 def test_without_the_trace_the_model_routes_itself(
     start_server: Callable, traced: list[Served], trace_path: Path
 ) -> None:
-    client = start_server("llama-no-trace", None)
+    client = start_server("llama-no-trace", None, transitions=False)
     routing(client)
     body = generate(client)
-    got = routing(client)["domains"]["untagged"]
+    snapshot = routing(client)
+    assert "transitions" not in snapshot  # not asked for: nothing counted
+    got = snapshot["domains"]["untagged"]
     assert got != expected_counts(read_route_trace(trace_path), 0, body)
     # same model, prompt and greedy sampling: only the routing differs
     assert body["completion_probabilities"] != traced[0].body["completion_probabilities"]

@@ -1,6 +1,7 @@
 """Redis key names of the routing flywheel, namespaced by model id (a hash of the GGUF's tables).
 
     moe:{model}:routing:{domain}:{layer}   hash  expert id -> (decayed) activations
+    moe:{model}:transitions:{domain}:{layer}  hash  "a:b" -> tokens with expert a at layer, b at layer+1
     moe:{model}:tokens                     hash  domain -> tokens routed (not decayed)
     moe:{model}:domains                    set   every domain with counts
     moe:{model}:hotset:{domain}            str   JSON of the domain's hot set (schemas.cache.HotSetResponse)
@@ -9,8 +10,8 @@
     moe:{model}:flushed:{batch}            str   marks a batch of counts as written (expires after a day)
     moe:{model}:quarantine:{rest}          any   a key of the wrong type, moved aside (never read)
 
-Domain tags are `[A-Za-z0-9_.:-]+`; the layer is always the last component of a routing key, so a
-tag containing ':' still parses.
+Domain tags are `[A-Za-z0-9_.:-]+`; the layer is always the last component of a routing or
+transitions key, so a tag containing ':' still parses.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ class RedisKeys:
 
     def routing(self, domain: str, layer: int) -> str:
         return f"{self.base}:routing:{domain}:{layer}"
+
+    def transitions(self, domain: str, layer: int) -> str:
+        """The counts of expert pairs (a at `layer`, b at `layer` + 1) of one domain's tokens."""
+        return f"{self.base}:transitions:{domain}:{layer}"
 
     def routing_pattern(self, domain: str = "*") -> str:
         return f"{self.base}:routing:{domain}:*"
@@ -64,7 +69,14 @@ class RedisKeys:
 
     def parse_routing(self, key: str) -> tuple[str, int] | None:
         """(domain, layer) of a routing key of this model, None for any other key."""
-        head = f"{self.base}:routing:"
+        return self._parse_layer_key(key, "routing")
+
+    def parse_transitions(self, key: str) -> tuple[str, int] | None:
+        """(domain, layer) of a transitions key of this model, None for any other key."""
+        return self._parse_layer_key(key, "transitions")
+
+    def _parse_layer_key(self, key: str, section: str) -> tuple[str, int] | None:
+        head = f"{self.base}:{section}:"
         if not key.startswith(head):
             return None
         domain, _, layer = key[len(head) :].rpartition(":")

@@ -1,5 +1,6 @@
 """The cache-manager feeds llama's expert cache (moe_l2_cache.engine_cache): the flywheel's tables become
-each domain's prior, one row per layer the cache holds, and come back after llama loses them.
+each domain's prior, one row per layer the cache holds, and come back after llama loses them; the
+transitions llama counts (patch 0015) come back as the tables its prefetch predicts with.
 
 End to end on real parts: the Vulkan llama-server on llvmpipe with the expert cache on the reduced
 ds-v2-lite shape, placed with --n-cpu-moe so that the cache holds only some MoE layers; real Redis;
@@ -18,7 +19,8 @@ import pytest
 from moe_l2_cache.engine_cache import domain_prior
 from moe_l2_common.schemas.llama import ExpertCacheProfile, ExpertCacheShape
 from moe_l2_common.stats import parse_metrics
-from tests.test_expert_cache import EXPERT_BYTES, SHAPE
+from moe_l2_llama.settings import counts_transitions
+from tests.test_expert_cache import EXPERT_BYTES, SHAPE, metric
 from tests.test_vulkan import PROMPTS, Model, greedy_one, serve
 from tests.test_vulkan import models as models  # the module's fixture
 from tests.test_vulkan import settings as base_settings
@@ -111,6 +113,53 @@ def test_the_flywheel_tables_reach_the_cache_of_the_layers_it_holds(
     log = manager.log.read_text()
     assert log.count("Redis unreachable, the priors are not updated") == 1
     assert "Traceback" not in log
+
+
+@pytest.mark.llama
+@pytest.mark.vulkan
+@pytest.mark.slow
+def test_learned_transitions_reach_the_cache_and_drive_its_prefetch(
+    vulkan_binary: Path,
+    models: dict[str, Model],
+    redis_server: RedisServer,
+    start_cache_manager: Callable[..., CacheManager],
+    tmp_path: Path,
+) -> None:
+    model = models["ds-v2-lite"]
+    # the cache holds MoE layers 1 and 2 (adjacent): its table of transitions is the pair (1, 2)
+    s = base_settings(gpu_layers=99, n_cpu_moe=3).model_copy(
+        update={"expert_cache_bytes": str(16 * EXPERT_BYTES * 2), "telemetry": True}
+    )
+    assert counts_transitions(s)  # on with the cache, unless MOE_L2_TRANSITIONS says otherwise
+    codegen = {"X-MoE-Domain": "codegen"}
+    with serve(vulkan_binary, model.path, s, {}, tmp_path) as (client, _):
+        # without tables the default policy has nothing to predict with: no prefetch
+        alone = greedy_one(client, PROMPTS[1], 8, codegen)
+        assert metric(client, "moe_cache_prefetch_total") == 0
+        manager = start_cache_manager(
+            MOE_L2_MODEL_PATH=str(model.path),
+            MOE_L2_LLAMA_URL=str(client.base_url),
+            MOE_L2_REDIS_URL=redis_server.url,
+            MOE_L2_PULL_INTERVAL_S="0.5",
+            MOE_L2_ENGINE_PROFILE_INTERVAL_S="0.5",
+            MOE_L2_ENGINE_TRANSITIONS_MIN_TOKENS="40",
+            MOE_L2_DECAY="1",
+        )
+        wait_for(lambda: sample(manager, "engine_profile_pushes_total") >= 1, "the first request's prior pushed")
+        assert sample(manager, "flywheel_tokens_total") < 40
+        assert sample(manager, "engine_profile_transition_pushes_total") == 0  # too few tokens to fit a table
+        for i in range(3):
+            greedy_one(client, PROMPTS[i % 2], 8, codegen)
+        wait_for(lambda: sample(manager, "engine_profile_transition_pushes_total") >= 1, "learned transitions pushed")
+        assert sample(manager, "flywheel_transitions_total") > 0
+
+        prefetched, used = metric(client, "moe_cache_prefetch_total"), metric(client, "moe_cache_prefetch_used_total")
+        again = greedy_one(client, PROMPTS[1], 8, codegen)
+        # the learned table predicts layer 2 from layer 1, and some of its guesses are used
+        assert metric(client, "moe_cache_prefetch_total") > prefetched
+        assert metric(client, "moe_cache_prefetch_used_total") > used
+        assert again == alone  # prefetching changes what is copied when, never the tokens
+    assert "Traceback" not in manager.log.read_text()
 
 
 @pytest.mark.llama

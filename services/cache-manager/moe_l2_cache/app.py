@@ -149,7 +149,13 @@ async def build_service(settings: CacheSettings) -> Service:
         pool=pool,
         pool_problem=pool_problem,
         flywheel=flywheel,
-        engine_cache=EngineCacheFeeder(flywheel, llama, admin_headers, settings.engine_profile_interval_s),
+        engine_cache=EngineCacheFeeder(
+            flywheel,
+            llama,
+            admin_headers,
+            settings.engine_profile_interval_s,
+            transitions_min_tokens=settings.engine_transitions_min_tokens,
+        ),
     )
 
 

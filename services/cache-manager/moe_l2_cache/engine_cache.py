@@ -1,4 +1,4 @@
-"""Feeding llama's expert cache with what the flywheel learned: each domain's routing prior.
+"""Feeding llama's expert cache with what the flywheel learned: each domain's prior and transitions.
 
 The engine's cache (patches 0008-0012, docs/expert-cache.md) evicts by the hybrid score, which
 weighs each expert by the prior of the running request's domain. That prior is the flywheel's
@@ -11,9 +11,14 @@ Every table is sent again each interval (MOE_L2_ENGINE_PROFILE_INTERVAL_S, 30 s 
 than tracking what llama holds: a table is n_layer x n_expert float32 (26 x 64 x 4 = 6.5 KB for
 DeepSeek-V2-Lite), and a llama that restarted gets its priors back within one interval.
 
-Not sent: transitions. The flywheel counts activations per layer, not which expert follows which
-at the next layer, so the default policy's cross-layer prefetch runs only with tables fitted
-offline (bench/expert_offload.py); the engine would have to count layer-pair co-occurrences.
+The default policy's cross-layer prefetch reads a table of transitions, P(expert b at layer l+1 | a at
+l). With LLAMA_MOE_TRANSITIONS llama counts them per domain (patch 0015), the flywheel stores them
+(transitions.py), and each round sends a domain's table with its prior once the domain has routed
+MOE_L2_ENGINE_TRANSITIONS_MIN_TOKENS tokens (1,000 by default: a table fitted on a few tokens says
+P = 1 for whatever those tokens did, and every prefetch of a wrong guess costs a copy). Requests of
+no domain ("untagged") get theirs as the table of no domain (`domain: null`, no prior: the engine
+takes none for it); it also serves a domain without its own. A table is n_layer x n_expert^2
+float32: 426 KB for DeepSeek-V2-Lite, sent each interval like the priors.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from moe_l2_cache.flywheel import Flywheel
+from moe_l2_cache.transitions import cache_transitions
 from moe_l2_common.domains import UNTAGGED
 from moe_l2_common.schemas.llama import ExpertCacheProfile, ExpertCacheShape
 
@@ -59,6 +65,7 @@ def domain_prior(table: Mapping[int, Mapping[int, float]], layers: Sequence[int]
 class FeederStats:
     state: str = "unknown"  # "on": pushing; "off": llama runs without the cache; "error": see last_error
     pushes: int = 0  # domain tables accepted by llama
+    transition_pushes: int = 0  # of those, the ones with transitions
     errors: int = 0  # rounds that failed
     last_error: str = ""
     last_push_at: float | None = None
@@ -67,12 +74,18 @@ class FeederStats:
 
 class EngineCacheFeeder:
     def __init__(
-        self, flywheel: Flywheel, llama: httpx.AsyncClient, admin_headers: Mapping[str, str], interval_s: float
+        self,
+        flywheel: Flywheel,
+        llama: httpx.AsyncClient,
+        admin_headers: Mapping[str, str],
+        interval_s: float,
+        transitions_min_tokens: int = 1000,
     ) -> None:
         self.flywheel = flywheel
         self.llama = llama
         self.admin_headers = dict(admin_headers)
         self.interval_s = interval_s
+        self.transitions_min_tokens = transitions_min_tokens
         self.counters = FeederStats()
         self._problem = ""  # the last reason logged, so a reason repeats once, not every interval
 
@@ -96,22 +109,40 @@ class EngineCacheFeeder:
                 self._settle("off", "llama runs without the expert cache (no --moe-cache-bytes): no priors to send")
                 return 0
             self._check(shape)
-            pushed = 0
+            pushed = with_transitions = 0
+            tokens = await self.flywheel.tokens()
             for domain in sorted(await self.flywheel.known_domains()):
-                if domain == UNTAGGED:
-                    continue  # the engine's table of no domain takes no prior
-                freq = domain_prior(await self.flywheel.table(domain), shape.layers, shape.n_expert)
-                if freq is not None:
-                    await self._post(ExpertCacheProfile.from_tables(domain, freq=freq))
-                    pushed += 1
+                # the engine's table of no domain takes no prior
+                freq = None if domain == UNTAGGED else await self._prior(domain, shape)
+                transitions = None
+                if tokens.get(domain, 0) >= self.transitions_min_tokens:
+                    transitions = await self._transitions(domain, shape)
+                if freq is None and transitions is None:
+                    continue  # both null would remove the domain's tables
+                name = None if domain == UNTAGGED else domain
+                await self._post(ExpertCacheProfile.from_tables(name, freq=freq, transitions=transitions))
+                pushed += 1
+                with_transitions += transitions is not None
         except RedisError as e:  # the tables are read again next round; llama keeps the last ones meanwhile
             return self._failed("Redis unreachable, the priors are not updated", f"{type(e).__name__}: {e}")
         except _FeedError as e:
             return self._failed(str(e))
         self.counters.pushes += pushed
+        self.counters.transition_pushes += with_transitions
         self.counters.last_push_at = time.time()
-        self._settle("on", f"sending the routing priors of {pushed} domains to llama's expert cache")
+        self._settle(
+            "on",
+            f"sending the routing tables of {pushed} domains ({with_transitions} with transitions) "
+            "to llama's expert cache",
+        )
         return pushed
+
+    async def _prior(self, domain: str, shape: ExpertCacheShape) -> NDArray | None:
+        return domain_prior(await self.flywheel.table(domain), shape.layers, shape.n_expert)
+
+    async def _transitions(self, domain: str, shape: ExpertCacheShape) -> NDArray | None:
+        counts = await self.flywheel.transition_counts(domain)
+        return cache_transitions(counts, shape.layers, self.flywheel.index.n_expert_used)
 
     def _failed(self, reason: str, detail: str = "") -> int:
         self.counters.errors += 1

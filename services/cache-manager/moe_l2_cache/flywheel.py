@@ -5,7 +5,9 @@ them over and clears them, so every pull is a delta. Deltas go through the bound
 Redis in one transaction (with a marker, see buffer.py), where a Lua script first decays the
 domain's existing counts by MOE_L2_DECAY per MOE_L2_DECAY_TOKENS new tokens of that domain, then
 adds the delta: the tables follow the traffic, and a domain without traffic keeps its table.
-After each write the hot sets of the domains written are chosen again and stored in Redis.
+After each write the hot sets of the domains written are chosen again and stored in Redis. With
+LLAMA_MOE_TRANSITIONS llama also counts which expert follows which at the next layer; those counts
+go the same way, into their own hashes, not decayed (transitions.py says why).
 
 Only accepted domains (the known domains and llama's "untagged") become tables, and nothing read
 from Redis is trusted: what does not fit the model or the accepted domains is skipped and counted
@@ -23,15 +25,18 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import httpx
+import numpy as np
+from numpy.typing import NDArray
 from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
-from moe_l2_cache.buffer import Batch, Cell, CountBuffer
+from moe_l2_cache.buffer import Batch, Cell, CountBuffer, PairCell
 from moe_l2_cache.hotset import select_hot_set, sum_tables
 from moe_l2_cache.keyspace import audit, domain_problem, is_wrong_type
 from moe_l2_cache.residency import ExpertPool
 from moe_l2_cache.skips import SkipCounter
+from moe_l2_cache.transitions import field_name, pair_cells, pair_layers, parse_field
 from moe_l2_common.gguf_index import ExpertIndex
 from moe_l2_common.redis_keys import GLOBAL_DOMAIN, RedisKeys
 from moe_l2_common.schemas.cache import FlywheelStats, HotSetResponse, PullResponse
@@ -99,6 +104,7 @@ class _Counters:
     last_error: str | None = None
     activations: int = 0
     tokens: int = 0
+    transitions: int = 0
     flushes: int = 0
     redis_errors: int = 0
     redis_ok: bool = True
@@ -167,11 +173,13 @@ class Flywheel:
                 log.info("routing pulls work again")
                 self._failing = ""
             counts, tokens = self._cells(snapshot)
+            pairs = self._pair_cells(snapshot)
             self.counters.pulls += 1
             self.counters.last_pull_at = time.time()
             self.counters.activations += sum(counts.values())
             self.counters.tokens += sum(tokens.values())
-            if not self.buffer.add(counts, tokens):
+            self.counters.transitions += sum(pairs.values())
+            if not self.buffer.add(counts, tokens, pairs):
                 log.warning(
                     "count buffer full (%d cells): dropped %d activations", self.buffer.cells, sum(counts.values())
                 )
@@ -265,6 +273,11 @@ class Flywheel:
                     for expert, n in sorted(cells.items()):
                         args += [expert, n]
                     await self._script(keys=[self.keys.routing(domain, layer)], args=args, client=pipe)
+                for layer, pairs in batch.pairs_by_layer(domain):
+                    args = ["1.0"]  # no decay: see transitions.py
+                    for (a, b), n in sorted(pairs.items()):
+                        args += [field_name(a, b), n]
+                    await self._script(keys=[self.keys.transitions(domain, layer)], args=args, client=pipe)
                 if batch.tokens.get(domain):
                     await self._add_tokens(keys=[self.keys.tokens], args=[domain, batch.tokens[domain]], client=pipe)
                 pipe.sadd(self.keys.domains, domain)
@@ -333,6 +346,43 @@ class Flywheel:
         if table:
             self._tables[domain] = table
         return table
+
+    async def transition_counts(self, domain: str) -> dict[int, NDArray[np.float64]]:
+        """A domain's pair counts from Redis: layer l -> [n_expert][n_expert] counts of (a at l, b at
+        l+1), only the layers that have any; empty for a domain that is not accepted."""
+        if domain not in self.accepted:
+            return {}
+        layers = pair_layers(self.index.layers)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for layer in layers:
+                pipe.hgetall(self.keys.transitions(domain, layer))
+            raw = await pipe.execute(raise_on_error=False)
+        out: dict[int, NDArray[np.float64]] = {}
+        for layer, fields in zip(layers, raw, strict=True):
+            key = self.keys.transitions(domain, layer)
+            if isinstance(fields, BaseException):
+                if not is_wrong_type(fields):
+                    raise fields
+                self._wrong_type(key)
+                continue
+            block = self._pairs(key, fields)
+            if block.any():
+                out[layer] = block
+        return out
+
+    def _pairs(self, key: str, fields: dict[str, str]) -> NDArray[np.float64]:
+        n = self.index.n_expert
+        block = np.zeros((n, n))
+        for field, value in fields.items():
+            pair, count = parse_field(field, n), _number(value)
+            if pair is None:
+                why = f"not a pair of experts of the model (0..{n - 1})"
+                self.skips.skip("transitions_field", f"{key} {field}", why)
+            elif count is None or count < 0:
+                self.skips.skip("transitions_field", f"{key} {field}", "not a finite, non-negative count")
+            else:
+                block[pair] = count
+        return block
 
     def _counts(self, key: str, fields: dict[str, str]) -> dict[int, float]:
         out: dict[int, float] = {}
@@ -509,6 +559,9 @@ class Flywheel:
         tokens = {d: int(n) for d, n in snapshot.tokens_by_domain.items() if n > 0 and d in self.accepted}
         return counts, tokens
 
+    def _pair_cells(self, snapshot: RoutingSnapshot) -> dict[PairCell, int]:
+        return pair_cells(snapshot, self.index.layers, self.index.n_expert, self.accepted, self.skips)
+
     def stats(self) -> FlywheelStats:
         c = self.counters
         return FlywheelStats(
@@ -518,6 +571,7 @@ class Flywheel:
             last_error=c.last_error,
             activations_pulled=c.activations,
             tokens_pulled=c.tokens,
+            transitions_pulled=c.transitions,
             flushes=c.flushes,
             redis_ok=c.redis_ok,
             redis_errors=c.redis_errors,

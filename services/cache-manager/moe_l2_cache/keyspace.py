@@ -89,6 +89,19 @@ def _expected_type(
             skips.skip("routing_key", key, "the model has no routed experts in that layer")
             return None
         return "hash"
+    if section == "transitions":
+        parsed = keys.parse_transitions(key)
+        if parsed is None:
+            skips.skip("transitions_key", key, "no layer in the key")
+            return None
+        domain, layer = parsed
+        if (why := domain_problem(domain, accepted)) is not None:
+            skips.skip("domain", key, why)
+            return None
+        if not (layer_ok(layer) and layer_ok(layer + 1)):
+            skips.skip("transitions_key", key, "the model has no routed experts in that layer or the next")
+            return None
+        return "hash"
     if section == "hotset" and rest:
         if rest != GLOBAL_DOMAIN and (why := domain_problem(rest, accepted)) is not None:
             skips.skip("domain", key, why)

@@ -62,6 +62,9 @@ class ServiceCollector(Collector):
         yield _counter("flywheel_pull_errors", "routing pulls that failed", f.pull_errors)
         yield _counter("flywheel_activations", "expert activations received from llama", f.activations_pulled)
         yield _counter("flywheel_tokens", "routed tokens received from llama", f.tokens_pulled)
+        yield _counter(
+            "flywheel_transitions", "expert pairs of consecutive layers received from llama", f.transitions_pulled
+        )
         yield _counter("flywheel_flushes", "batches of counts written to Redis", f.flushes)
         yield _counter("redis_errors", "Redis operations that failed", f.redis_errors)
         yield _gauge("redis_up", "1 when the last Redis operation succeeded", float(f.redis_ok))
@@ -95,5 +98,8 @@ class ServiceCollector(Collector):
             return
         e = self.service.engine_cache.stats()
         yield _counter("engine_profile_pushes", "domain priors llama's expert cache accepted", e.pushes)
+        yield _counter(
+            "engine_profile_transition_pushes", "of those, the ones with learned transitions", e.transition_pushes
+        )
         yield _counter("engine_profile_errors", "failed rounds of sending priors to llama", e.errors)
         yield _gauge("engine_cache_layers", "layers llama's expert cache holds (0: off or not yet asked)", e.layers)

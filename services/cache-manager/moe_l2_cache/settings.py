@@ -37,11 +37,18 @@ class CacheSettings(BaseSettings):
     engine_profile_interval_s: float = Field(
         default=30.0, ge=0, description="send the domains' routing priors to llama's expert cache this often; 0 = never"
     )
+    engine_transitions_min_tokens: int = Field(
+        default=1000,
+        ge=0,
+        description="tokens a domain must have routed before its learned transitions go to llama's expert cache",
+    )
     dwell_s: float = Field(
         default=10.0, ge=0, description="minimum time a domain stays active before another takes over"
     )
     buffer_max_cells: int = Field(
-        default=1_000_000, ge=1, description="(domain, layer, expert) counts kept in memory while Redis is down"
+        default=1_000_000,
+        ge=1,
+        description="(domain, layer, expert) and expert-pair counts kept in memory while Redis is down",
     )
 
     admin_token: str = Field(

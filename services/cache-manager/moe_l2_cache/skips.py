@@ -11,12 +11,16 @@ Kinds:
   routing_key     a routing hash of a layer the model has no experts in, or with no layer at all
   routing_field   a routing hash field that is not an expert of the model or whose count is not
                   a finite, non-negative number
+  transitions_key   a transitions hash of a layer pair the model does not route both of, or of no layer
+  transitions_field a transitions hash field that is not "a:b" of two experts of the model, or whose
+                  count is not a finite, non-negative number
   tokens_field    a tokens count that is not a non-negative integer
   hotset          a stored hot set that does not parse or does not fit the model
   wrong_type      a key of the wrong Redis type (moved aside to moe:{model}:quarantine:...)
   unknown_key     a key under the model's prefix that the service does not know (left alone)
   snapshot_domain a domain of llama's routing snapshot that is not accepted (its counts are dropped)
-  snapshot_cell   a layer or expert of llama's routing snapshot that the model does not have
+  snapshot_cell   a layer or expert of llama's routing snapshot that the model does not have (or
+                  transitions of the wrong size or of a layer pair without routed experts)
 
 Redis entries are counted once each (the same garbage read at every pull is one entry), up to
 MAX_TRACKED distinct entries; past that each read counts. Snapshot entries count each time.

@@ -54,6 +54,21 @@ class LlamaSettings(BaseSettings):
     expert_cache_policy: Literal["default", "hybrid", "lru"] = Field(
         default="default", description="which experts the cache keeps (--moe-cache-policy)"
     )
+    transitions: bool | None = Field(
+        default=None,
+        description="count per domain which expert follows which at the next layer (LLAMA_MOE_TRANSITIONS), "
+        "the tables the expert cache's prefetch learns from; needs the telemetry; unset: on with the expert cache",
+    )
+
+
+def expert_cache_on(settings: LlamaSettings) -> bool:
+    return bool(re.sub(r"[^1-9]", "", settings.expert_cache_bytes))  # any nonzero digit: not off
+
+
+def counts_transitions(settings: LlamaSettings) -> bool:
+    # a domain's table is n_layer x n_expert^2 counts (15 MiB for DeepSeek-V3): worth it only for a cache
+    wanted = settings.transitions if settings.transitions is not None else expert_cache_on(settings)
+    return settings.telemetry and wanted
 
 
 def llama_server_binary(settings: LlamaSettings) -> Path:
@@ -86,7 +101,7 @@ def llama_server_command(binary: Path, model: Path, settings: LlamaSettings) -> 
         cmd += ["--n-cpu-moe", str(settings.n_cpu_moe)]
     if settings.gpu_layers is not None:
         cmd += ["--gpu-layers", str(settings.gpu_layers)]
-    if re.sub(r"[^1-9]", "", settings.expert_cache_bytes):  # any nonzero digit: not off
+    if expert_cache_on(settings):
         cmd += ["--moe-cache-bytes", settings.expert_cache_bytes, "--moe-cache-policy", settings.expert_cache_policy]
     repack = settings.cpu_repack if settings.cpu_repack is not None else not cpu_has_amx()
     if not repack:
@@ -113,10 +128,11 @@ def model_name(model: Path) -> str:
 
 
 def llama_server_env(settings: LlamaSettings) -> dict[str, str]:
-    """Variables added to the environment of llama-server: the telemetry switch, the admin token
-    (empty: every admin call is refused) and the domains a request may be tagged with."""
+    """Variables added to the environment of llama-server: the telemetry and transitions switches, the
+    admin token (empty: every admin call is refused) and the domains a request may be tagged with."""
     return {
         "LLAMA_MOE_TELEMETRY": "1" if settings.telemetry else "0",
+        "LLAMA_MOE_TRANSITIONS": "1" if counts_transitions(settings) else "0",
         "LLAMA_MOE_ADMIN_TOKEN": settings.admin_token or configured_token(),
         "LLAMA_MOE_DOMAINS": ",".join(sorted(known_domains())),
     }

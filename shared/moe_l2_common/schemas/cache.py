@@ -114,10 +114,14 @@ class FlywheelStats(BaseModel):
     last_error: str | None
     activations_pulled: int = Field(description="activations received from llama since start")
     tokens_pulled: int
+    transitions_pulled: int = Field(
+        default=0,
+        description="(expert, next layer's expert) pairs received from llama since start (LLAMA_MOE_TRANSITIONS)",
+    )
     flushes: int
     redis_ok: bool
     redis_errors: int
-    buffered_cells: int = Field(description="(domain, layer, expert) counts waiting for Redis")
+    buffered_cells: int = Field(description="(domain, layer, expert) and expert-pair counts waiting for Redis")
     buffered_activations: int
     dropped_activations: int = Field(description="activations dropped because the buffer was full")
     dropped_snapshots: int

@@ -13,8 +13,28 @@ from pydantic import BaseModel, Field
 LayerCounts = dict[str, dict[str, int]]
 
 
+class LayerPairCounts(BaseModel):
+    """One domain's cross-layer transitions in a routing snapshot (patch 0015, LLAMA_MOE_TRANSITIONS):
+    for each layer l of `pairs`, how often expert a at layer l and expert b at layer l+1 were selected for
+    the same token (every top-k x top-k pair); `counts` is base64 of little-endian uint32
+    [len(pairs)][n_expert][n_expert]. Only layer pairs with counts are sent."""
+
+    pairs: list[int]
+    counts: str
+
+    def tables(self, n_expert: int) -> dict[int, NDArray[np.uint32]]:
+        """layer l -> [n_expert][n_expert] counts of (a at l, b at l+1); ValueError on a wrong size."""
+        raw = base64.b64decode(self.counts, validate=True)
+        shape = (len(self.pairs), n_expert, n_expert)
+        if len(raw) != 4 * int(np.prod(shape)):
+            raise ValueError(f"{len(raw) // 4} uint32 counts for {len(self.pairs)} layer pairs of {n_expert} experts")
+        blocks = np.frombuffer(raw, dtype="<u4").reshape(shape)
+        return {layer: blocks[i] for i, layer in enumerate(self.pairs)}
+
+
 class RoutingSnapshot(BaseModel):
-    """GET /moe/routing[?reset=1]: activations per domain tag, layer and expert since the last reset."""
+    """GET /moe/routing[?reset=1]: activations per domain tag, layer and expert since the last reset, and
+    with LLAMA_MOE_TRANSITIONS the cross-layer transitions of each tag."""
 
     model: str = ""
     enabled: bool = True
@@ -24,6 +44,7 @@ class RoutingSnapshot(BaseModel):
     tokens: int = Field(description="tokens routed since the last reset, all tags together")
     tokens_by_domain: dict[str, int] = Field(default_factory=dict)
     domains: dict[str, LayerCounts] = Field(default_factory=dict)
+    transitions: dict[str, LayerPairCounts] = Field(default_factory=dict)
 
 
 class HotSetRequest(BaseModel):

@@ -1,8 +1,9 @@
 """Profiles: what profiled policies learn from routing seen before (static tables, priors, transitions).
 
 A profile is fitted on one set of traces and handed to `make_policy(..., **profile.as_kwargs())`.
-The cache-manager, which only has per-domain counts from the llama-server telemetry, builds the
-frequency tables with `freq_from_counts`; cross-layer transitions need per-token traces.
+The cache-manager, which has per-domain counts from the llama-server telemetry, builds the
+frequency tables with `freq_from_counts`, and the transitions with `transitions_from_counts` from the
+pair counts llama counts with LLAMA_MOE_TRANSITIONS (moe_l2_cache.transitions).
 """
 
 from __future__ import annotations
@@ -106,9 +107,14 @@ def fit_profile(
 
 
 def _transitions(ex: NDArray[np.int64], n_expert: int) -> FloatArray:
-    # Each activation of a at layer l co-occurs with k experts at l+1: rows sum to k, so an
-    # entry is the probability that b follows a.
-    return _normalise_rows(transition_counts(ex, n_expert)) * ex.shape[2]
+    return transitions_from_counts(transition_counts(ex, n_expert), int(ex.shape[2]))
+
+
+def transitions_from_counts(counts: FloatArray, top_k: int) -> FloatArray:
+    """P(b at l+1 | a at l) from `transition_counts` (or llama's, patch 0015): each activation of a at
+    layer l co-occurs with k experts at l+1, so a row sums to k and an entry is the probability that b
+    follows a; a row without counts is 0."""
+    return _normalise_rows(np.asarray(counts, dtype=np.float64)) * top_k
 
 
 def _counts_table(layer_counts: Mapping[str, Mapping[str, int]], n_layer: int, n_expert: int) -> FloatArray:
