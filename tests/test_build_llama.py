@@ -152,6 +152,9 @@ SERIES = [
     "0013-expert-cache-domain-counters.patch",
     "0014-expert-cache-free-share.patch",
     "0015-server-moe-transitions.patch",
+    "0016-expert-cache-copy-stream.patch",
+    "0017-expert-cache-preload.patch",
+    "0018-server-hot-set-preload.patch",
 ]
 
 

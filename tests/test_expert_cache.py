@@ -13,6 +13,9 @@ experts in host memory (`--cpu-moe`) and the cache on llvmpipe's Vulkan device:
   transitions fitted on the ESFT trace, which the server replays as its routing), the default policy
   prefetches; tokens still equal the cache off, and the engine's hits, loads and prefetches equal the
   replay given the same tables, across a domain switch;
+- a hot set (POST /moe/hot-set, a domain switch) pre-loads its experts before the next micro-batch,
+  the first n_slot - top-k of each cached layer in the set's order; the engine's counts, preloads
+  included, equal the replay of its log, and the tokens equal the cache off;
 - a budget given as a share of the free device memory (`--moe-cache-bytes N%`) takes that share of what
   the device reports and holds the slots those bytes hold;
 - budgets that cannot work are one clear line: below top-k or on a CPU build refuses to start, a
@@ -123,6 +126,40 @@ def test_the_engine_counts_what_the_python_policy_replays(
     assert engine == {"accesses": replay.accesses, "hits": replay.hits, "loads": replay.loads, "bypass": replay.bypass}
 
 
+@pytest.mark.parametrize("policy", ["lru", "default"])
+def test_a_hot_set_preloads_the_cache_as_the_replay_does(
+    vulkan_binary: Path, models: dict[str, Model], policy: str, tmp_path: Path
+) -> None:
+    model = models["ds-v2-lite"]
+    expected = cache_off_reference(vulkan_binary, model, tmp_path)
+    log = tmp_path / "access.log"
+    slots = 16
+    s = cache_settings(slots, policy).model_copy(update={"admin_token": TOKEN})
+    # per MoE layer 12 experts, most used first: the cache takes the first 16 - 6 and keeps its 6 best
+    hot = list(range(63, 51, -1))
+    moe_layers = range(SHAPE.n_dense_lead, DS_LAYERS)
+    with serve(vulkan_binary, model.path, s, {"LLAMA_MOE_CACHE_LOG": str(log)}, tmp_path) as (client, _):
+        first = greedy_one(client, PROMPTS[0], N_PREDICT)
+        assert metric(client, "moe_cache_preload_total") == 0
+        resp = client.post(
+            "/moe/hot-set",
+            json={"domain": "math", "layers": {str(il): hot for il in moe_layers}},
+            headers={ADMIN_TOKEN_HEADER: TOKEN},
+        )
+        assert resp.status_code == 200, resp.text
+        second = greedy_one(client, PROMPTS[1], N_PREDICT)
+        names = ("accesses", "hits", "loads", "bypass", "preload")
+        engine = {m: metric(client, f"moe_cache_{m}_total") for m in names}
+    assert [first, second] == expected  # a preload changes what is resident, never the tokens
+    accesses = read_access_log(log)
+    preloads = [a for a in accesses if a.preload]
+    taken = tuple(hot[: slots - SHAPE.n_expert_used])
+    assert [(a.layer, a.experts) for a in preloads] == [(li, taken) for li in range(N_MOE)]
+    replay = replay_accesses(accesses, policy, N_MOE, SHAPE.n_expert, slots, SHAPE.n_expert_used)
+    assert replay.preload > 0
+    assert engine == {m: getattr(replay, m) for m in names}
+
+
 def test_two_concurrent_requests_get_the_tokens_they_get_alone(
     vulkan_binary: Path, models: dict[str, Model], tmp_path: Path
 ) -> None:
@@ -166,7 +203,8 @@ def test_64_tokens_under_the_esft_trace_equal_the_cache_off(
         expected = greedy_one(client, PROMPTS[1], n_tokens, headers)
 
     on = cache_settings(16).model_copy(update={"admin_token": TOKEN})
-    with serve(vulkan_binary, model.path, on, env, tmp_path) as (client, _):
+    with serve(vulkan_binary, model.path, on, env, tmp_path) as (client, log_path):
+        assert COPY_STREAM_LINE in log_path.read_text()  # the prefetch's copies run on a second backend
         body = ExpertCacheProfile.from_tables(
             "logic", freq=fitted.domain_freq["logic"], transitions=fitted.domain_transitions["logic"]
         )
@@ -421,11 +459,32 @@ def run_until_ready_or_exit(cmd: list[str], env: dict[str, str], timeout: float 
         proc.wait()
 
 
-def start(binary: Path, model: Path, s: LlamaSettings) -> tuple[int | None, str]:
+def start(binary: Path, model: Path, s: LlamaSettings, extra: dict[str, str] | None = None) -> tuple[int | None, str]:
     import os
 
-    env = {**os.environ, **llama_server_env(s), **device_env(binary)}
+    env = {**os.environ, **llama_server_env(s), **device_env(binary), **(extra or {})}
     return run_until_ready_or_exit(llama_server_command(binary, model, s), env)
+
+
+COPY_STREAM_LINE = "expert cache: prefetch copies on a second Vulkan0 backend, overlapping compute"
+
+
+@pytest.mark.parametrize(
+    ("policy", "env", "line"),
+    [("default", {}, COPY_STREAM_LINE),
+     ("default", {"LLAMA_MOE_CACHE_COPY_STREAM": "0"}, "expert cache: prefetch copies on the compute queue"),
+     ("hybrid", {}, None)],
+)  # fmt: skip
+def test_the_log_says_where_the_prefetch_copies_go(
+    vulkan_binary: Path, models: dict[str, Model], policy: str, env: dict[str, str], line: str | None
+) -> None:
+    code, log = start(vulkan_binary, models["ds-v2-lite"].path, cache_settings(16, policy), env)
+    assert code is None, log[-2000:]
+    said = [s for s in log.splitlines() if "prefetch copies" in s]
+    if line is None:  # no prefetch: no second backend, nothing to say
+        assert said == [], said
+    else:
+        assert len(said) == 1 and line in said[0], log[-2000:]
 
 
 def test_a_budget_below_top_k_refuses_to_start_with_one_line(vulkan_binary: Path, models: dict[str, Model]) -> None:

@@ -47,7 +47,25 @@ def test_the_log_is_read_and_bypassed_accesses_are_skipped(tmp_path: Path):
     assert counts.hit_rate == pytest.approx(0.25)
 
 
-@pytest.mark.parametrize("line", ["1 0 0 -", "1 0 2 - 3", "a b c d e", "1 -1 0 - 3", "1 0 0 - x"])
+def test_a_preload_brings_its_experts_in_as_a_prefetch_and_keeps_the_recent_ones(tmp_path: Path):
+    log = tmp_path / "access.log"
+    # 4 slots: 1 2 3 then 4 are used; a preload of 7 and 6 evicts two of the least recently used 1 2 3 (used
+    # together: ties keep the lower id, so 2 and 3 leave); the most recent (4) stays
+    log.write_text("1 0 0 - 1 2 3\n2 0 0 - 4\n3 0 P - 7 6\n3 0 0 - 4 6\n4 0 P - 4 5\n")
+    accesses = read_access_log(log)
+    assert accesses[2] == Access(ubatch=3, layer=0, bypass=False, experts=(7, 6), preload=True)
+    counts = replay_accesses(accesses, "lru", n_layer=1, n_expert=8, capacity=4, top_k=1)
+    # accesses 1 2 3 | 4 | 4 6 (both resident after the preload: 2 hits); preloads 7 6, then only 5 (4 is in)
+    assert (counts.accesses, counts.hits, counts.loads, counts.preload) == (6, 2, 4, 3)
+    lru = make_policy("lru", 1, 8, 4)
+    for experts in ([1, 2, 3], [4]):
+        lru.access(0, experts)
+    assert lru.preload(0, [7, 6]) == 2 and lru.resident(0) == {1, 4, 6, 7}
+
+
+@pytest.mark.parametrize(
+    "line", ["1 0 0 -", "1 0 2 - 3", "a b c d e", "1 -1 0 - 3", "1 0 0 - x", "1 0 P -", "1 x P - 3"]
+)
 def test_a_malformed_line_is_named(tmp_path: Path, line: str):
     log = tmp_path / "access.log"
     log.write_text(f"1 0 0 - 1\n{line}\n")

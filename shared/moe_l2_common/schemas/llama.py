@@ -48,7 +48,8 @@ class RoutingSnapshot(BaseModel):
 
 
 class HotSetRequest(BaseModel):
-    """POST /moe/hot-set: the experts to prepare, per layer."""
+    """POST /moe/hot-set: the experts to prepare, per layer, most used first: llama's expert cache
+    pre-loads them in that order (patches 0017-0018), as many as its slots allow."""
 
     domain: str
     layers: dict[str, list[int]]

@@ -171,6 +171,16 @@ class DemandPolicy(TablePolicy):
             table[over] = top_c_mask(priority, self.capacity, table[over])
         self._resident[rows] = table
 
+    def preload(self, layer: int, experts: Sequence[int]) -> int:
+        """Brings `experts` into `layer` ahead of demand, as a prefetch does: they outrank the residents,
+        whose priorities stay (llama's preload of a domain's hot set). Returns how many were copied in."""
+        rows = np.array([layer], dtype=np.int64)
+        incoming = np.zeros((1, self.n_expert), dtype=bool)
+        incoming[0, np.asarray(experts, dtype=np.int64)] = True
+        before = self._resident[rows].copy()
+        self._insert(rows, incoming)
+        return int((incoming & ~before & self._resident[rows]).sum())
+
     def _on_use(self, rows: IntArray, ex: IntArray) -> None:
         raise NotImplementedError
 

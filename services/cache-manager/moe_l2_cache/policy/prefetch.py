@@ -152,6 +152,9 @@ class CrossLayerPrefetch:
     def resident(self, layer: int) -> set[int]:
         return self.inner.resident(layer)
 
+    def preload(self, layer: int, experts: Sequence[int]) -> int:
+        return self.inner.preload(layer, experts)
+
     def resident_table(self) -> BoolArray:
         return self.inner.resident_table()
 

@@ -8,7 +8,9 @@ with LLAMA_MOE_CACHE_LOG=<file> (test only), it writes one line per micro-batch 
 the distinct experts the micro-batch's tokens selected at that layer (layer counts the cached MoE layers
 from 0), and the micro-batch's domain (`-` for none: no tag, or sequences of several domains). A line
 with bypass 1 used more experts than the layer has slots: the engine copied them without the cache and
-left its residency alone, so the replay skips it too.
+left its residency alone, so the replay skips it too. A line with `P` in place of bypass is a preload
+(a domain's hot set, POST /moe/hot-set, before that micro-batch): the experts brought in as a prefetch
+would be, already cut to the slots the engine gives a preload (n_slot - top-k).
 
 With a routing profile (POST /moe/cache/profile: per domain a prior and cross-layer transitions) the
 replay is given the same tables, as the engine holds them (float32 widened to float64), and switches
@@ -42,6 +44,7 @@ class Access:
     bypass: bool
     experts: tuple[int, ...]
     domain: str | None = None
+    preload: bool = False  # the experts are a preload's, not an access's
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,7 @@ class ReplayCounts:
     prefetch_used: int = 0  # of those, the ones the layer then used
     # domain (None: none, or several) -> (prefetch, prefetch_used) of the micro-batches of that domain
     prefetch_by_domain: dict[str | None, tuple[int, int]] = field(default_factory=dict)
+    preload: int = 0  # experts copied in by preloads
 
     @property
     def misses(self) -> int:
@@ -79,15 +83,17 @@ def read_access_log(path: Path) -> list[Access]:
         fields = line.split()
         if not fields:
             continue
+        preload = len(fields) > 2 and fields[2] == "P"
         try:
-            ubatch, layer, bypass = (int(f) for f in fields[:3])
+            ubatch, layer = (int(f) for f in fields[:2])
+            bypass = 0 if preload else int(fields[2])
             experts = tuple(int(f) for f in fields[4:])
-        except ValueError:
+        except (ValueError, IndexError):
             raise PolicyError(f"{path}:{number}: not an access line: {line!r}") from None
         if len(fields) < 5 or bypass not in (0, 1) or layer < 0:
             raise PolicyError(f"{path}:{number}: not an access line: {line!r}")
         domain = None if fields[3] == "-" else fields[3]
-        accesses.append(Access(ubatch, layer, bool(bypass), experts, domain))
+        accesses.append(Access(ubatch, layer, bool(bypass), experts, domain, preload))
     return accesses
 
 
@@ -119,7 +125,7 @@ def replay_accesses(
     )
     cache.on_domain(None)
     domain: str | None = None
-    hits = total = bypass = 0
+    hits = total = bypass = preloaded = 0
     by_domain: dict[str | None, list[int]] = {}
     filled_by: list[str | None] = [None] * n_layer  # the domain whose prefetch last loaded into each layer
     for access in accesses:
@@ -127,6 +133,9 @@ def replay_accesses(
             raise PolicyError(f"access at layer {access.layer}, but the cache has {n_layer} layers")
         if access.bypass:
             bypass += 1
+            continue
+        if access.preload:
+            preloaded += cache.preload(access.layer, access.experts)  # type: ignore[attr-defined]
             continue
         if access.domain != domain:
             domain = access.domain
@@ -150,6 +159,7 @@ def replay_accesses(
             prefetch=cache.stats.loads,
             prefetch_used=cache.stats.used,
             prefetch_by_domain={d: (p, u) for d, (p, u) in by_domain.items()},
+            preload=preloaded,
         )
     loads = int(cache.loads)  # type: ignore[attr-defined]  # every policy of the registry counts loads
-    return ReplayCounts(accesses=total, hits=hits, loads=loads, bypass=bypass)
+    return ReplayCounts(accesses=total, hits=hits, loads=loads, bypass=bypass, preload=preloaded)
