@@ -150,7 +150,10 @@ def test_a_hot_set_preloads_the_cache_as_the_replay_does(
         second = greedy_one(client, PROMPTS[1], N_PREDICT)
         names = ("accesses", "hits", "loads", "bypass", "preload")
         engine = {m: metric(client, f"moe_cache_{m}_total") for m in names}
+        summary = expert_cache_summary(parse_metrics(client.get("/metrics").text))
     assert [first, second] == expected  # a preload changes what is resident, never the tokens
+    assert summary is not None and summary["preload"] == engine["preload"]
+    assert f", pre-loaded {engine['preload']} on domain switches" in render_expert_cache(summary)
     accesses = read_access_log(log)
     preloads = [a for a in accesses if a.preload]
     taken = tuple(hot[: slots - SHAPE.n_expert_used])

@@ -182,8 +182,8 @@ def summarize(scraped: dict[str, Samples | None]) -> dict[str, Any]:
 def expert_cache_summary(llama: Samples | None) -> dict[str, Any] | None:
     """llama-server's expert cache (--moe-cache-bytes), since it started; None when it has none.
 
-    Bytes per token are every host→device expert copy (misses, prefetches and the copies of batches
-    too large for the slots) over every token llama processed, prompt and generated."""
+    Bytes per token are every host→device expert copy (misses, prefetches, domain-switch preloads and the
+    copies of batches too large for the slots) over every token llama processed, prompt and generated."""
     slots = _total(llama, "llamacpp:moe_cache_slots")
     if slots is None:
         return None
@@ -211,6 +211,7 @@ def expert_cache_summary(llama: Samples | None) -> dict[str, Any] | None:
         "h2d_bytes_per_token": round(copied / tokens, 1) if tokens else None,
         "prefetch": prefetch,
         "prefetch_used_share": _ratio(_total(llama, "llamacpp:moe_cache_prefetch_used_total"), prefetch),
+        "preload": _total(llama, "llamacpp:moe_cache_preload_total"),  # None before patch 0017
         # each token charged to its request's domain (patch 0013); the server's warm-up is "untagged"
         "hit_rate_by_domain": {d: _ratio(domain_hits.get(d, 0.0), n) for d, n in domain_accesses.items() if n},
         # its misses and its micro-batches' prefetches (an expert two domains miss together counts for both)
@@ -327,6 +328,8 @@ def render_expert_cache(cache: dict[str, Any] | None) -> str:
         text += f" (now {format_bytes(cache['h2d_bytes_per_token_now'])})"
     if cache["prefetch"]:
         text += f", prefetched {_num(cache['prefetch'])} ({_pct(cache['prefetch_used_share'])} used)"
+    if cache.get("preload"):
+        text += f", pre-loaded {_num(cache['preload'])} on domain switches"
     if by_domain := cache.get("hit_rate_by_domain"):
         copied = cache.get("h2d_bytes_by_domain") or {}
         text += (
