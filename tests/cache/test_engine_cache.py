@@ -19,7 +19,7 @@ import pytest
 from moe_l2_cache.engine_cache import domain_prior
 from moe_l2_common.schemas.llama import ExpertCacheProfile, ExpertCacheShape
 from moe_l2_common.stats import parse_metrics
-from moe_l2_llama.settings import counts_transitions
+from moe_l2_llama.settings import LlamaSettings, counts_transitions
 from tests.test_expert_cache import EXPERT_BYTES, SHAPE, metric
 from tests.test_vulkan import PROMPTS, Model, greedy_one, serve
 from tests.test_vulkan import models as models  # the module's fixture
@@ -52,6 +52,27 @@ def wait_for(check: Callable[[], bool], what: str, timeout: float = 60) -> None:
         time.sleep(0.25)
 
 
+def two_layer_cache() -> LlamaSettings:
+    """--n-cpu-moe 3 of 4 layers: layer 0 is dense, so the cache holds MoE layers 1 and 2, not 3."""
+    s = base_settings(gpu_layers=99, n_cpu_moe=3, llama_extra_args="-lv 4")
+    return s.model_copy(update={"expert_cache_bytes": str(16 * EXPERT_BYTES * 2), "telemetry": True})
+
+
+def start_feeder(
+    start_cache_manager: Callable[..., CacheManager], model: Path, llama: httpx.Client, redis: RedisServer, **env: str
+) -> CacheManager:
+    """The cache-manager pulling llama's counts and pushing its tables twice a second, counts not decayed."""
+    return start_cache_manager(
+        MOE_L2_MODEL_PATH=str(model),
+        MOE_L2_LLAMA_URL=str(llama.base_url),
+        MOE_L2_REDIS_URL=redis.url,
+        MOE_L2_PULL_INTERVAL_S="0.5",
+        MOE_L2_ENGINE_PROFILE_INTERVAL_S="0.5",
+        MOE_L2_DECAY="1",
+        **env,
+    )
+
+
 def cache_shape(client: httpx.Client) -> ExpertCacheShape:
     resp = client.get("/moe/cache")
     assert resp.status_code == 200, resp.text
@@ -69,23 +90,12 @@ def test_the_flywheel_tables_reach_the_cache_of_the_layers_it_holds(
     tmp_path: Path,
 ) -> None:
     model = models["ds-v2-lite"]
-    # --n-cpu-moe 3 of 4 layers: layer 0 is dense, so the cache holds MoE layers 1 and 2, not 3
-    s = base_settings(gpu_layers=99, n_cpu_moe=3, llama_extra_args="-lv 4").model_copy(
-        update={"expert_cache_bytes": str(16 * EXPERT_BYTES * 2), "telemetry": True}
-    )
-    with serve(vulkan_binary, model.path, s, {}, tmp_path) as (client, _):
+    with serve(vulkan_binary, model.path, two_layer_cache(), {}, tmp_path) as (client, _):
         shape = cache_shape(client)
         assert (shape.layers, shape.n_slot, shape.n_expert, shape.profile) == ([1, 2], 16, SHAPE.n_expert, [])
         assert shape.slot_bytes == EXPERT_BYTES and shape.device_bytes >= 16 * 2 * EXPERT_BYTES
 
-        manager = start_cache_manager(
-            MOE_L2_MODEL_PATH=str(model.path),
-            MOE_L2_LLAMA_URL=str(client.base_url),
-            MOE_L2_REDIS_URL=redis_server.url,
-            MOE_L2_PULL_INTERVAL_S="0.5",
-            MOE_L2_ENGINE_PROFILE_INTERVAL_S="0.5",
-            MOE_L2_DECAY="1",
-        )
+        manager = start_feeder(start_cache_manager, model.path, client, redis_server)
         for i, domain in enumerate(["codegen", "codegen", "translate"]):
             greedy_one(client, PROMPTS[i % 2], 4, {"X-MoE-Domain": domain})
         wait_for(lambda: cache_shape(client).profile == ["codegen", "translate"], "both domains' priors in llama")
@@ -127,23 +137,15 @@ def test_learned_transitions_reach_the_cache_and_drive_its_prefetch(
 ) -> None:
     model = models["ds-v2-lite"]
     # the cache holds MoE layers 1 and 2 (adjacent): its table of transitions is the pair (1, 2)
-    s = base_settings(gpu_layers=99, n_cpu_moe=3).model_copy(
-        update={"expert_cache_bytes": str(16 * EXPERT_BYTES * 2), "telemetry": True}
-    )
+    s = two_layer_cache()
     assert counts_transitions(s)  # on with the cache, unless MOE_L2_TRANSITIONS says otherwise
     codegen = {"X-MoE-Domain": "codegen"}
     with serve(vulkan_binary, model.path, s, {}, tmp_path) as (client, _):
         # without tables the default policy has nothing to predict with: no prefetch
         alone = greedy_one(client, PROMPTS[1], 8, codegen)
         assert metric(client, "moe_cache_prefetch_total") == 0
-        manager = start_cache_manager(
-            MOE_L2_MODEL_PATH=str(model.path),
-            MOE_L2_LLAMA_URL=str(client.base_url),
-            MOE_L2_REDIS_URL=redis_server.url,
-            MOE_L2_PULL_INTERVAL_S="0.5",
-            MOE_L2_ENGINE_PROFILE_INTERVAL_S="0.5",
-            MOE_L2_ENGINE_TRANSITIONS_MIN_TOKENS="40",
-            MOE_L2_DECAY="1",
+        manager = start_feeder(
+            start_cache_manager, model.path, client, redis_server, MOE_L2_ENGINE_TRANSITIONS_MIN_TOKENS="40"
         )
         wait_for(lambda: sample(manager, "engine_profile_pushes_total") >= 1, "the first request's prior pushed")
         assert sample(manager, "flywheel_tokens_total") < 40

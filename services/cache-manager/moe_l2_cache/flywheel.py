@@ -329,19 +329,10 @@ class Flywheel:
         if domain not in self.accepted:
             return {}
         layers = self.index.moe_layers
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for layer in layers:
-                pipe.hgetall(self.keys.routing(domain, layer))
-            raw = await pipe.execute(raise_on_error=False)
+        keys = [self.keys.routing(domain, layer) for layer in layers]
         table: Table = {}
-        for layer, fields in zip(layers, raw, strict=True):
-            key = self.keys.routing(domain, layer)
-            if isinstance(fields, BaseException):
-                if not is_wrong_type(fields):
-                    raise fields
-                self._wrong_type(key)
-                continue
-            if counts := self._counts(key, fields):
+        for layer, key, fields in zip(layers, keys, await self._hashes(keys), strict=True):
+            if fields is not None and (counts := self._counts(key, fields)):
                 table[layer] = counts
         if table:
             self._tables[domain] = table
@@ -353,21 +344,28 @@ class Flywheel:
         if domain not in self.accepted:
             return {}
         layers = pair_layers(self.index.layers)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for layer in layers:
-                pipe.hgetall(self.keys.transitions(domain, layer))
-            raw = await pipe.execute(raise_on_error=False)
+        keys = [self.keys.transitions(domain, layer) for layer in layers]
         out: dict[int, NDArray[np.float64]] = {}
-        for layer, fields in zip(layers, raw, strict=True):
-            key = self.keys.transitions(domain, layer)
+        for layer, key, fields in zip(layers, keys, await self._hashes(keys), strict=True):
+            if fields is not None and (block := self._pairs(key, fields)).any():
+                out[layer] = block
+        return out
+
+    async def _hashes(self, keys: list[str]) -> list[dict[str, str] | None]:
+        """Every hash of `keys` in one round trip; None for a key of the wrong type (moved aside at the
+        next flush), which must not fail the read of the others."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.hgetall(key)
+            raw = await pipe.execute(raise_on_error=False)
+        out: list[dict[str, str] | None] = []
+        for key, fields in zip(keys, raw, strict=True):
             if isinstance(fields, BaseException):
                 if not is_wrong_type(fields):
                     raise fields
                 self._wrong_type(key)
-                continue
-            block = self._pairs(key, fields)
-            if block.any():
-                out[layer] = block
+                fields = None
+            out.append(fields)
         return out
 
     def _pairs(self, key: str, fields: dict[str, str]) -> NDArray[np.float64]:

@@ -76,30 +76,20 @@ def _expected_type(
         return _FIXED[section]
     if section == "flushed" and rest:
         return "string"
-    if section == "routing":
-        parsed = keys.parse_routing(key)
+    if section in ("routing", "transitions"):
+        # a routing hash is one layer's, a transitions hash the pair (layer, layer + 1)'s
+        pair = section == "transitions"
+        parsed = keys.parse_transitions(key) if pair else keys.parse_routing(key)
         if parsed is None:
-            skips.skip("routing_key", key, "no layer in the key")
+            skips.skip(f"{section}_key", key, "no layer in the key")
             return None
         domain, layer = parsed
         if (why := domain_problem(domain, accepted)) is not None:
             skips.skip("domain", key, why)
             return None
-        if not layer_ok(layer):
-            skips.skip("routing_key", key, "the model has no routed experts in that layer")
-            return None
-        return "hash"
-    if section == "transitions":
-        parsed = keys.parse_transitions(key)
-        if parsed is None:
-            skips.skip("transitions_key", key, "no layer in the key")
-            return None
-        domain, layer = parsed
-        if (why := domain_problem(domain, accepted)) is not None:
-            skips.skip("domain", key, why)
-            return None
-        if not (layer_ok(layer) and layer_ok(layer + 1)):
-            skips.skip("transitions_key", key, "the model has no routed experts in that layer or the next")
+        if not (layer_ok(layer) and (not pair or layer_ok(layer + 1))):
+            where = "that layer or the next" if pair else "that layer"
+            skips.skip(f"{section}_key", key, f"the model has no routed experts in {where}")
             return None
         return "hash"
     if section == "hotset" and rest:
