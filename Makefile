@@ -18,7 +18,7 @@ help:
 	@echo "make test      run the test suite (builds the CPU and Vulkan llama-servers on first use)"
 	@echo "make check-cuda  compile and link the CUDA llama-server for ARCH (default 90; ARCH=native on a GPU)"
 	@echo "make bench-gpu   the GPU check: CUDA build, ds-v2-lite shape, offload benchmark"
-	@echo "make lint      ruff check + format check"
+	@echo "make lint      ruff check + format check, hadolint on the Dockerfiles"
 	@echo "make bench     run the benchmarks under bench/ (JSON results in bench/results/)"
 
 install: $(STAMP)
@@ -59,9 +59,13 @@ test: $(STAMP)
 	$(if $(or $(CI),$(shell command -v glslc)),$(MOE) build-llama --vulkan)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# Every Dockerfile, the stand-ins' included; .hadolint.yaml says why each ignored rule is ignored.
+DOCKERFILES := $(wildcard services/*/Dockerfile tests/containers/standins/*.Dockerfile)
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/hadolint --config .hadolint.yaml $(DOCKERFILES)
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .

@@ -1236,9 +1236,10 @@ def test_interpolation() -> None:
 
 
 DOCKERFILE_MUTATIONS = {
-    "unpinned FROM": (r"FROM python:3\.12\.8-slim-bookworm", "FROM python"),
-    "latest FROM": (r"FROM python:3\.12\.8-slim-bookworm", "FROM python:latest"),
-    "floating FROM": (r"FROM python:3\.12\.8-slim-bookworm", "FROM python:3.12-slim"),
+    # the base image is a build argument (tests/test_dockerfiles.py): its default is what FROM pulls
+    "unpinned FROM": (r"ARG PYTHON_IMAGE=python:3\.12\.8-slim-bookworm", "ARG PYTHON_IMAGE=python"),
+    "latest FROM": (r"ARG PYTHON_IMAGE=python:3\.12\.8-slim-bookworm", "ARG PYTHON_IMAGE=python:latest"),
+    "floating FROM": (r"ARG PYTHON_IMAGE=python:3\.12\.8-slim-bookworm", "ARG PYTHON_IMAGE=python:3.12-slim"),
     "no USER": (r"\nUSER [^\n]+", ""),
     "root USER": (r"\nUSER [^\n]+", "\nUSER root"),
     "no HEALTHCHECK": (r"\nHEALTHCHECK [^\n]+(\\\n[^\n]+)*", ""),

@@ -1,0 +1,224 @@
+"""`docker compose up` for real: the CPU variant's images built by compose on a real Docker engine,
+the stack brought up with every healthcheck, and what a user does with it checked from the host
+through the one published port (conftest.py builds and starts it; the tests run in file order and
+the last one takes it down).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+
+import httpx
+import ollama
+import openai
+
+from moe_l2_common.admin import ADMIN_TOKEN_HEADER
+from moe_l2_common.stats import parse_metrics
+
+from .conftest import PREDICTORS, PROJECT, UP_SERVICES, Stack
+
+MODEL = "moe-l2"  # compose.yaml's MOE_L2_MODEL_ALIAS default
+PROMPTS = (
+    "Solve for x: 3x + 7 = 22, and show each step of the algebra.",
+    "Translate 'good morning, how are you today' into French and German.",
+    "Write a Python function that merges two sorted lists into one sorted list.",
+    "Why does my program crash with a segmentation fault when I free a pointer twice?",
+    "Write a short poem about the sea at night, in four lines.",
+    "If all bloops are razzies and all razzies are lazzies, are all bloops lazzies?",
+)
+
+
+def _chat(stack: Stack, prompt: str, *, max_tokens: int = 8) -> httpx.Response:
+    return httpx.post(
+        f"{stack.url}/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens},
+        timeout=120,
+    )
+
+
+def _predictor_requests(stack: Stack) -> list[float]:
+    """POST /v1/predict requests each predictor replica has answered, from its own /metrics."""
+    counts = []
+    for index in range(1, PREDICTORS + 1):
+        text = stack.python_in(
+            "predictor",
+            "import urllib.request;print(urllib.request.urlopen('http://localhost:11437/metrics').read().decode())",
+            index=index,
+        )
+        samples = parse_metrics(text).get("moe_l2_predictor_requests_total", [])
+        counts.append(sum(v for labels, v in samples if labels.get("endpoint", "").startswith("/v1/predict")))
+    return counts
+
+
+def test_every_service_turns_healthy(stack: Stack) -> None:
+    containers = stack.containers(every=True)
+    by_service: dict[str, list[dict]] = {}
+    for c in containers:
+        by_service.setdefault(c["Service"], []).append(c)
+    assert set(by_service) == set(UP_SERVICES)
+    assert len(by_service["predictor"]) == PREDICTORS
+    # the one-shot writer of the admin token ran and is done
+    (token,) = by_service.pop("admin-token")
+    assert token["State"] == "exited" and token["ExitCode"] == 0
+    for service, replicas in by_service.items():
+        for c in replicas:
+            assert (c["State"], c["Health"]) == ("running", "healthy"), f"{service}: {c['Name']}"
+
+
+def test_only_the_gateway_is_published_on_loopback(stack: Stack) -> None:
+    published = {
+        (c["Service"], p["URL"], p["PublishedPort"], p["TargetPort"])
+        for c in stack.containers()
+        for p in c.get("Publishers") or []
+        if p.get("PublishedPort")
+    }
+    assert published == {("proxy", "127.0.0.1", stack.port, 11435)}
+
+
+def test_the_llama_image_runs_the_patched_server(stack: Stack) -> None:
+    """The image compiled the pinned source with the patch series: its routing telemetry answers."""
+    out = stack.exec(
+        "llama",
+        "curl",
+        "-fsS",
+        "-H",
+        f"{ADMIN_TOKEN_HEADER}: {stack.admin_token}",
+        "http://localhost:11436/moe/routing",
+    )
+    routing = json.loads(out)
+    assert routing["n_layer"] > 0 and routing["n_expert"] > 0
+
+
+def test_the_openai_sdk_chats_through_the_gateway(stack: Stack) -> None:
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", timeout=120)
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=16
+    )
+    completion = raw.parse()
+    assert completion.choices[0].message.content
+    assert completion.model == MODEL
+    # the domain came from a predictor container, not the gateway's keyword fallback
+    assert raw.headers["X-MoE-Domain-Source"] == "predictor"
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=16, stream=True
+    )
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert text
+
+
+def test_the_ollama_client_chats_through_the_gateway(stack: Stack) -> None:
+    sources: list[str] = []
+
+    def keep_source(response: httpx.Response) -> None:
+        if response.request.url.path == "/api/chat":
+            sources.append(response.headers.get("X-MoE-Domain-Source", ""))
+
+    client = ollama.Client(host=stack.url, timeout=120, event_hooks={"response": [keep_source]})
+    assert MODEL in {m.model.split(":")[0] for m in client.list().models}
+    answer = client.chat(model=MODEL, messages=[{"role": "user", "content": PROMPTS[2]}], options={"num_predict": 16})
+    assert answer.message.content
+    assert sources == ["predictor"]
+
+
+def test_requests_spread_over_the_predictors_and_survive_one_stopped(stack: Stack) -> None:
+    before = _predictor_requests(stack)
+    for i in range(5 * PREDICTORS):
+        resp = _chat(stack, PROMPTS[i % len(PROMPTS)])
+        assert resp.status_code == 200, resp.text
+    after = _predictor_requests(stack)
+    served = [a - b for a, b in zip(after, before, strict=True)]
+    assert all(n > 0 for n in served), f"requests per predictor replica: {served}"
+
+    # One replica stopped while chats run: every chat still succeeds.
+    victim = next(c["Name"] for c in stack.containers("predictor") if c["Name"].endswith(f"-{PREDICTORS}"))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
+        futures = [pool.submit(_chat, stack, PROMPTS[i % len(PROMPTS)]) for i in range(4)]
+        stack.engine.docker("stop", "--time", "2", victim, timeout=60)
+        futures += [pool.submit(_chat, stack, PROMPTS[i % len(PROMPTS)]) for i in range(12)]
+        statuses = [f.result().status_code for f in futures]
+    assert statuses == [200] * len(statuses)
+    stack.engine.docker("start", victim, timeout=60)
+
+
+def test_the_cache_manager_pins_the_file_llama_maps(stack: Stack) -> None:
+    # The chats above hinted their domains: the pool pinned those domains' hot experts.
+    stats = json.loads(stack.python_in("cache-manager", _GET % "/v1/stats"))
+    pool = stats["pool"]
+    assert stats["mode"] == "active"
+    assert pool["lock_mode"] == "mlock" and pool["locked_bytes"] > 0, pool
+    # mlock for real: the kernel counts the locked pages against the cache-manager's process
+    status = stack.exec("cache-manager", "cat", "/proc/1/status")
+    locked_kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmLck:"))
+    assert locked_kib * 1024 >= pool["locked_bytes"]
+
+    # The very file llama maps: one inode, seen from both containers, mapped by llama-server.
+    inode = "import os;s=os.stat('/models/model.gguf');print(s.st_dev,s.st_ino)"
+    assert stack.python_in("llama", inode) == stack.python_in("cache-manager", inode)
+    assert "/models/model.gguf" in stack.exec("llama", "cat", "/proc/1/maps")
+
+    # Inside the llama container, mincore over the pinned experts' ranges: all resident.
+    hotsets = json.loads(stack.python_in("cache-manager", _GET % "/v1/hotsets"))
+    ranges = []
+    for hot in hotsets.values():
+        for layer, experts in hot["layers"].items():
+            for expert in experts[: pool["capacity_per_layer"]]:
+                found = json.loads(stack.python_in("cache-manager", _GET % f"/v1/index/{layer}/{expert}"))
+                ranges += [(r["offset"], r["length"]) for r in found["ranges"]]
+                break  # one expert per layer and domain is enough to show it
+    assert ranges
+    resident = stack.python_in("llama", _MINCORE, json.dumps(ranges))
+    assert resident.strip() == "True", resident
+
+
+def test_redis_keeps_the_tables_across_a_restart(stack: Stack) -> None:
+    def tables() -> dict[str, str]:
+        keys = stack.exec("redis", "redis-cli", "--scan", "--pattern", "moe:*").split()
+        return {k: stack.exec("redis", "redis-cli", "--no-raw", "DUMP", k) for k in sorted(keys) if ":routing:" in k}
+
+    deadline = time.monotonic() + 60
+    while not (before := tables()) and time.monotonic() < deadline:
+        time.sleep(2)  # the flywheel pulls llama's counts every 2 s (compose.test.yaml)
+    assert before, "the flywheel wrote no routing table to Redis"
+    # Stop the flywheel's writes for the comparison: the tables must come back as they were.
+    stack.compose("stop", "cache-manager", timeout=120)
+    before = tables()
+    stack.compose("restart", "redis", timeout=120)
+    stack.compose("up", "--wait", "--no-build", "redis", timeout=300)
+    assert tables() == before
+    stack.compose("up", "--wait", "--no-build", "cache-manager", timeout=300)
+
+
+def test_down_leaves_nothing(stack: Stack) -> None:
+    stack.compose("down", "-v", "--remove-orphans", timeout=300)
+    label = f"label=com.docker.compose.project={PROJECT}"
+    assert stack.engine.docker("ps", "-aq", "--filter", label).stdout.strip() == ""
+    assert stack.engine.docker("volume", "ls", "-q", "--filter", label).stdout.strip() == ""
+    assert stack.engine.docker("network", "ls", "-q", "--filter", label).stdout.strip() == ""
+
+
+_GET = "import urllib.request;print(urllib.request.urlopen('http://localhost:11438%s').read().decode())"
+
+# In the container: map the model read-only and ask mincore whether every page of each range (argv[1],
+# JSON [[offset, length], ...]) is in the page cache. Prints True or the first range that is not.
+_MINCORE = """
+import ctypes, json, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+page = os.sysconf("SC_PAGE_SIZE")
+fd = os.open("/models/model.gguf", os.O_RDONLY)
+size = os.fstat(fd).st_size
+addr = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+for offset, length in json.loads(sys.argv[1]):
+    start = offset // page * page
+    pages = (offset + length - start + page - 1) // page
+    vec = (ctypes.c_ubyte * pages)()
+    if libc.mincore(ctypes.c_void_p(addr + start), pages * page, vec) != 0 or not all(v & 1 for v in vec):
+        print("not resident:", offset, length, sum(v & 1 for v in vec), "of", pages)
+        sys.exit(0)
+print(True)
+"""
