@@ -97,7 +97,7 @@ def _record(name: str, started: float) -> None:
     TIMINGS_FILE.write_text(json.dumps(TIMINGS, indent=2) + "\n")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def engine() -> Iterator[Engine]:
     if missing := missing_tools():
         message = f"the container test needs {', '.join(missing)} (apt-get install docker.io debootstrap)"
