@@ -38,9 +38,6 @@ class RedisKeys:
         """The counts of expert pairs (a at `layer`, b at `layer` + 1) of one domain's tokens."""
         return f"{self.base}:transitions:{domain}:{layer}"
 
-    def routing_pattern(self, domain: str = "*") -> str:
-        return f"{self.base}:routing:{domain}:*"
-
     @property
     def tokens(self) -> str:
         return f"{self.base}:tokens"

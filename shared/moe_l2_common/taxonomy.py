@@ -54,9 +54,6 @@ class Domain:
     languages: tuple[str, ...] = ()  # empty: any language
     absorbs: tuple[str, ...] = ()
 
-    def applies_to(self, lang: str) -> bool:
-        return not self.languages or lang in self.languages
-
 
 @dataclass(frozen=True)
 class Taxonomy:

@@ -58,7 +58,7 @@ def hot_set(manager: CacheManager, domain: str) -> dict:
 
 
 def hint(manager: CacheManager, domain: str) -> dict:
-    resp = manager.client.post("/v1/hint", json={"model": "", "domain": domain})
+    resp = manager.client.post("/v1/hint", json={"domain": domain})
     assert resp.status_code == 200, resp.text
     return resp.json()
 

@@ -55,7 +55,7 @@ def test_pass_through_mode_says_why_and_accepts_hints(tmp_path: Path, case: str)
         stats = client.get("/v1/stats").json()
         assert stats["mode"] == "pass-through" and fragment in stats["reason"]
         assert stats["pool"] is None and stats["flywheel"] is None
-        hint = client.post("/v1/hint", json={"model": "", "domain": "math"})
+        hint = client.post("/v1/hint", json={"domain": "math"})
         assert hint.status_code == 200
         assert hint.json()["accepted"] is True and hint.json()["switched"] is False
         assert hint.json()["reason"].startswith("pass-through: ")

@@ -289,7 +289,7 @@ def _routes(app: FastAPI) -> None:
     async def hint(
         body: Annotated[
             HintRequest,
-            Body(openapi_examples={"math": {"value": {"model": "", "domain": "math"}}}),
+            Body(openapi_examples={"math": {"value": {"domain": "math"}}}),
         ],
         service: ServiceDep,
     ) -> HintResponse:

@@ -30,15 +30,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import numpy as np
 
+from moe_l2_cache.policy import DEFAULT_POLICY, ExpertCachePolicy, PolicyError, make_policy
 from moe_l2_common.gguf_index import ByteRange, ExpertIndex
 from moe_l2_common.schemas.cache import PoolStats
-
-if TYPE_CHECKING:
-    from moe_l2_cache.policy import ExpertCachePolicy
 
 log = logging.getLogger(__name__)
 
@@ -506,12 +504,6 @@ class ExpertPool:
 
 
 def _make_policy(name: str | None, index: ExpertIndex, capacity: int) -> tuple[str, ExpertCachePolicy]:
-    # Imported here: the policy package is developed on its own, and only the pool needs it.
-    try:
-        from moe_l2_cache.policy import DEFAULT_POLICY, PolicyError, make_policy
-    except ImportError as e:
-        raise PoolError(f"the expert-cache policy package is missing from this install: {e}") from e
-
     chosen = name or DEFAULT_POLICY
     try:
         # top_k: the pool feeds the policy one expert at a time, not a token's k experts at once

@@ -68,7 +68,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     hint_http: httpx.AsyncClient | None = None
     if settings.cache_url:
         hint_http = cache_client(settings)
-        hints = HintSender(settings.cache_url, hint_http, metrics, settings.hint_queue_size, llama.model_id)
+        hints = HintSender(settings.cache_url, hint_http, metrics, settings.hint_queue_size)
         hints.start()
     resolver = DomainResolver(predictors, settings.predict_budget_ms / 1000, KeywordClassifier())
     app.state.gateway = Gateway(settings, metrics, llama, resolver, predictors, hints)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
 
 import httpx
 
@@ -27,13 +26,11 @@ class HintSender:
         client: httpx.AsyncClient,
         metrics: GatewayMetrics,
         queue_size: int,
-        model_name: Callable[[], Awaitable[str]],
     ) -> None:
         self.url = f"{cache_url.rstrip('/')}/v1/hint"
         self.client = client
         self.metrics = metrics
         self.queue: asyncio.Queue[str] = asyncio.Queue(maxsize=queue_size)
-        self.model_name = model_name
         self._worker: asyncio.Task[None] | None = None
 
     def offer(self, domain: str) -> None:
@@ -62,7 +59,7 @@ class HintSender:
                 log.exception("sending a hint failed")
 
     async def send(self, domain: str) -> None:
-        hint = HintRequest(model=await self.model_name(), domain=domain)
+        hint = HintRequest(domain=domain)
         try:
             resp = await self.client.post(self.url, content=hint.model_dump_json(), headers=_JSON)
         except httpx.HTTPError as exc:

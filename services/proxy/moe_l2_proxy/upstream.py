@@ -6,10 +6,8 @@ import logging
 from collections.abc import Iterable
 
 import httpx
-from pydantic import ValidationError
 
 from moe_l2_common.admin import ADMIN_TOKEN_HEADER
-from moe_l2_common.schemas.openai import ModelList
 from moe_l2_proxy.errors import GatewayError
 from moe_l2_proxy.http1_transport import Http1Transport, request_message
 from moe_l2_proxy.metrics import GatewayMetrics
@@ -57,7 +55,6 @@ class LlamaUpstream:
     def __init__(self, settings: ProxySettings, metrics: GatewayMetrics) -> None:
         self.url = settings.llama_url.rstrip("/")
         self.metrics = metrics
-        self._model_id: str | None = None
         self.authorization = f"Bearer {settings.llama_api_key}" if settings.llama_api_key else None
         self.transport = Http1Transport(
             max_connections=settings.llama_max_connections,
@@ -159,16 +156,6 @@ class LlamaUpstream:
         except ValueError as exc:
             raise GatewayError(502, f"llama-server sent invalid JSON for GET {path}", code="upstream_invalid") from exc
         return data if isinstance(data, dict) else {"data": data}
-
-    async def model_id(self) -> str:
-        """The id llama-server reports for its model (cached once known; "" while llama is unreachable)."""
-        if self._model_id is None:
-            try:
-                models = ModelList.model_validate(await self.get_json("/v1/models", timeout_s=2.0))
-            except (GatewayError, ValidationError):
-                return ""
-            self._model_id = models.data[0].id if models.data else ""
-        return self._model_id
 
     async def aclose(self) -> None:
         await self.client.aclose()

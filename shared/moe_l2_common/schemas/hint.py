@@ -6,11 +6,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class HintRequest(BaseModel):
-    """A request of `domain` is about to run on `model` (the name llama-server reports, may be empty)."""
+    """A request of `domain` is about to run. (The cache-manager serves one model; a `model` field
+    that older gateways sent is ignored.)"""
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str = ""
     domain: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
 
 

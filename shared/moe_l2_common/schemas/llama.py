@@ -55,16 +55,6 @@ class HotSetRequest(BaseModel):
     layers: dict[str, list[int]]
 
 
-class HotSet(BaseModel):
-    """POST /moe/hot-set's answer and GET /moe/hot-set."""
-
-    domain: str | None
-    version: int
-    n_experts: int
-    layers: dict[str, list[int]]
-    applied_version: int | None = Field(default=None, description="GET only: the version the compute thread uses")
-
-
 def encode_f32(table: NDArray[np.floating] | None) -> str | None:
     """A table as the profile body carries it: base64 of its values as little-endian float32, row-major."""
     if table is None:

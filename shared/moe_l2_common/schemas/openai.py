@@ -28,12 +28,6 @@ class ErrorBody(BaseModel):
     error: ErrorDetail
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    include_usage: bool = False
-
-
 class ChatCompletionRequestView(BaseModel):
     """POST /v1/chat/completions, as far as the gateway needs it."""
 
