@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-import re
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,6 +21,7 @@ from moe_l2_common.domains import DEFAULT_DOMAINS
 from moe_l2_common.supervisor import Supervisor, free_port
 from moe_l2_llama.service import llama_service_spec
 from moe_l2_llama.settings import LlamaSettings
+from tests.metrics import sample_sum
 
 from .conftest import ADMIN_HEADERS, LlamaServer
 
@@ -77,14 +77,7 @@ def planted_share(routing: dict, planted: dict, domain: str, tag: str | None = N
 
 def metric(text: str, name: str, domain: str | None = None) -> float:
     """Sum of a llamacpp:* metric's samples, optionally of one domain label."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith("#"):
-            continue
-        m = re.match(rf"^llamacpp:{name}(\{{[^}}]*\}})?\s+(\S+)$", line)
-        if m and (domain is None or f'domain="{domain}"' in (m.group(1) or "")):
-            total += float(m.group(2))
-    return total
+    return sample_sum(text, f"llamacpp:{name}", **({"domain": domain} if domain is not None else {}))
 
 
 def set_hot_set(server: LlamaServer, domain: str, layers: dict[str, list[int]]) -> dict:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import random
-import re
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
 from moe_l2_common.domains import DEFAULT_DOMAINS
+from tests.metrics import sample_sum
 
 
 def domain_prompt(planted: dict, domain: str, n_words: int = 24, seed: int = 0) -> str:
@@ -42,12 +42,7 @@ def serve_mix(
 
 
 def metric(text: str, name: str, domain: str | None = None) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(rf"^llamacpp:{name}(\{{[^}}]*\}})?\s+(\S+)$", line)
-        if m and (domain is None or f'domain="{domain}"' in (m.group(1) or "")):
-            total += float(m.group(2))
-    return total
+    return sample_sum(text, f"llamacpp:{name}", **({"domain": domain} if domain is not None else {}))
 
 
 def llama_metrics(llama_url: str) -> str:

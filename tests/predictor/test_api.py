@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 from collections.abc import Iterator
 
 import pytest
@@ -15,6 +14,7 @@ from moe_l2_common.schemas.predict import PredictBatchResponse, PredictResponse
 from moe_l2_predictor.app import create_app
 from moe_l2_predictor.settings import PredictorSettings
 from tests.fuzz.schema_refs import request_validator, unresolved
+from tests.metrics import sample_sum
 
 pytestmark = pytest.mark.slow
 
@@ -27,14 +27,8 @@ def client(hybrid, predictor_cache) -> Iterator[TestClient]:
 
 
 def metric(text: str, name: str, **labels: str) -> float:
-    """The value of one sample of the Prometheus exposition `text` (0 when absent)."""
-    for line in text.splitlines():
-        if not line.startswith(name + "{") and not line.startswith(name + " "):
-            continue
-        found = dict(re.findall(r'(\w+)="([^"]*)"', line.split(" ")[0]))
-        if all(found.get(k) == v for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    """The value of the samples of `name` with these labels in the exposition `text` (0 when absent)."""
+    return sample_sum(text, name, **labels)
 
 
 def test_predict_text(client: TestClient) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import socket
 import sys
 import time
@@ -17,6 +16,7 @@ from moe_l2_common.supervisor import ServiceSpec, Supervisor, free_port, http_ok
 from moe_l2_predictor.predictor import Predictor
 from moe_l2_predictor.prompt import from_text
 from moe_l2_predictor.settings import PredictorSettings
+from tests.metrics import sample_sum
 
 pytestmark = pytest.mark.slow
 
@@ -237,11 +237,4 @@ def test_a_client_leaving_mid_body_is_a_499_without_a_stack_trace(supervisor: Su
 
 
 def metric(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name + "{"):
-            continue
-        found = dict(re.findall(r'(\w+)="([^"]*)"', line))
-        if all(found.get(k) == v for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return sample_sum(text, name, **labels)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -18,6 +17,7 @@ import httpx
 from moe_l2_common.supervisor import ServiceSpec, Supervisor, http_ok
 from moe_l2_llama.service import llama_service_spec
 from moe_l2_llama.settings import LlamaSettings
+from tests.metrics import sample_sum
 
 
 @dataclass
@@ -39,16 +39,7 @@ class GatewayProc:
 
 
 def metric_value(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    pattern = re.compile(rf"^{re.escape(name)}(?:\{{(.*)\}})?\s+(\S+)$")
-    for line in text.splitlines():
-        match = pattern.match(line)
-        if not match:
-            continue
-        found = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', match.group(1) or ""))
-        if all(found.get(k) == v for k, v in labels.items()):
-            total += float(match.group(2))
-    return total
+    return sample_sum(text, name, **labels)
 
 
 @dataclass

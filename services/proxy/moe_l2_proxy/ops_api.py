@@ -4,13 +4,13 @@ and the published API (/openapi.json)."""
 from __future__ import annotations
 
 import asyncio
-import re
 from typing import Any
 
 import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.parser import text_string_to_metric_families
 
 from moe_l2_proxy.errors import GatewayError
 from moe_l2_proxy.gateway import Gateway, gateway
@@ -19,9 +19,6 @@ from moe_l2_proxy.openapi import build_document
 router = APIRouter()
 
 # llama-server's MoE counters (patch 0002): `llamacpp:moe_hot_hits_total{domain="codegen"} 123`
-_LLAMA_MOE_SAMPLE = re.compile(r'^llamacpp:(moe_\w+?)(?:_total)?(?:\{domain="([^"]*)"\})?\s+([0-9.eE+-]+)$')
-
-
 @router.get("/healthz")
 async def healthz() -> dict[str, str]:
     return {"status": "ok"}
@@ -62,10 +59,11 @@ async def metrics(request: Request) -> Response:
 def parse_llama_moe_metrics(text: str) -> dict[str, Any]:
     """llama's hot-set hit/miss counters per domain and the overall hit rate."""
     per_metric: dict[str, dict[str, float]] = {}
-    for line in text.splitlines():
-        if match := _LLAMA_MOE_SAMPLE.match(line.strip()):
-            name, domain, value = match.groups()
-            per_metric.setdefault(name, {})[domain or ""] = float(value)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name.removeprefix("llamacpp:").removesuffix("_total")
+            if sample.name.startswith("llamacpp:moe_") and set(sample.labels) <= {"domain"}:
+                per_metric.setdefault(name, {})[sample.labels.get("domain", "")] = sample.value
     hits = per_metric.get("moe_hot_hits", {})
     misses = per_metric.get("moe_hot_misses", {})
     total_hits, total_misses = sum(hits.values()), sum(misses.values())
