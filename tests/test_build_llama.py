@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -192,3 +193,37 @@ def test_ggml_patches_are_the_patches_that_touch_ggml(tmp_path: Path) -> None:
     assert build_mod.ggml_patches(build_mod.patch_files(tmp_path)) == {"0002-b.patch": before}
     (tmp_path / "0002-b.patch").write_text(f"Subject: [PATCH 2/4]\n{ggml_diff}+int edit;\n")
     assert build_mod.ggml_patches(build_mod.patch_files(tmp_path))["0002-b.patch"] != before
+
+
+def _fake_build(cache: Path, key: str, backend: str, patches: dict[str, str], flags: list[str]) -> Path:
+    """A cache entry as build() leaves it: the binary (with the patch series' strings) and its build-info."""
+    binary = cache / "llama" / key / "bin" / "llama-server"
+    binary.parent.mkdir(parents=True)
+    binary.write_bytes(b"\x7fELF ... moe_hot_hits_total ... /moe/hot-set ...")
+    binary.chmod(0o755)
+    info = {"key": key, "backend": backend, "sdist_sha256": build_mod.SDIST_SHA256, "patches": patches}
+    (binary.parent.parent / "build-info.json").write_text(json.dumps({**info, "cmake_flags": flags}))
+    return binary
+
+
+def test_a_cuda_build_of_the_current_patches_is_current_whatever_its_flags(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`build-llama --cuda --arch 90` builds without -march=native and for its own architectures:
+    doctor read the key with other defaults and called such a fresh build stale."""
+    from moe_l2_common.doctor import check_llama_binary
+
+    patches = build_mod.patch_files(build_mod.default_patches_dir())
+    current = {p.name: build_mod.hashlib.sha256(p.read_bytes()).hexdigest() for p in patches}
+    stale = {**current, patches[-1].name: "0" * 64}
+    _fake_build(tmp_path, "aaaa", "cpu", stale, ["-DGGML_NATIVE=ON"])
+    monkeypatch.setenv("MOE_L2_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("MOE_L2_LLAMA_SERVER", raising=False)
+    check = check_llama_binary()
+    assert check.status == "warn" and "none of the current patches" in check.detail
+
+    _fake_build(tmp_path, "bbbb", "cuda", current, ["-DGGML_NATIVE=OFF", "-DCMAKE_CUDA_ARCHITECTURES=90"])
+    builds = {b.key: b.current for b in build_mod.cached_builds(tmp_path, patches)}
+    assert builds == {"aaaa": False, "bbbb": True}
+    check = check_llama_binary()
+    assert check.status == "pass" and "cuda build bbbb" in check.detail

@@ -28,6 +28,7 @@ Status = Literal["pass", "warn", "fail"]
 GiB = 1 << 30
 # The hot-set patch's series: a binary that exports them was built with the project's patches.
 PATCH_MARKERS = (b"moe_hot_hits_total", b"/moe/hot-set")
+BACKEND_PREFERENCE = ("cuda", "vulkan", "cpu")
 PACKAGES = ("moe-l2", "fastapi", "uvicorn", "httpx", "pydantic", "pydantic-settings", "prometheus-client", "redis")
 OPTIONAL_PACKAGES = ("nvidia-ml-py", "torch", "sentence-transformers")
 
@@ -70,14 +71,7 @@ def _binary_has_patches(binary: Path) -> bool:
 
 
 def check_llama_binary() -> Check:
-    from moe_l2_llama.build import (
-        BuildConfig,
-        build_key,
-        cached_binary,
-        default_cache_dir,
-        default_patches_dir,
-        patch_files,
-    )
+    from moe_l2_llama.build import cached_builds, default_cache_dir, default_patches_dir, patch_files
 
     explicit = os.environ.get("MOE_L2_LLAMA_SERVER")
     if explicit:
@@ -88,20 +82,28 @@ def check_llama_binary() -> Check:
             return Check("llama-server", "fail", f"{binary} lacks the hot-set patch (no moe_hot_hits_total)")
         return Check("llama-server", "pass", f"{binary} (MOE_L2_LLAMA_SERVER), has the hot-set patch")
     patches = patch_files(default_patches_dir())
-    cache = default_cache_dir()
-    for backend in ("cuda", "cpu"):
-        key = build_key(BuildConfig(backend=backend), patches)
-        binary = cached_binary(cache, key)
-        if binary.is_file():
-            if not _binary_has_patches(binary):
-                return Check("llama-server", "fail", f"{binary} lacks the hot-set patch; `moe-l2 build-llama --force`")
-            return Check("llama-server", "pass", f"{backend} build {key} matches the {len(patches)} patches: {binary}")
-    others = sorted(p.name for p in (cache / "llama").glob("*") if (p / "bin" / "llama-server").is_file())
-    if others:
+    builds = cached_builds(default_cache_dir(), patches)
+    current = [b for b in builds if b.current]
+    # a GPU build is what serves when there is one; the newest of a backend otherwise
+    for build in sorted(
+        current, key=lambda b: BACKEND_PREFERENCE.index(b.backend) if b.backend in BACKEND_PREFERENCE else 9
+    ):
+        if not _binary_has_patches(build.binary):
+            return Check(
+                "llama-server", "fail", f"{build.binary} lacks the hot-set patch; `moe-l2 build-llama --force`"
+            )
+        others = sorted({b.backend for b in current} - {build.backend})
+        also = f" (also current: {', '.join(others)})" if others else ""
+        return Check(
+            "llama-server",
+            "pass",
+            f"{build.backend} build {build.key} matches the {len(patches)} patches{also}: {build.binary}",
+        )
+    if builds:
         return Check(
             "llama-server",
             "warn",
-            f"cached builds {', '.join(others)} predate the current patches; `moe-l2 build-llama` rebuilds",
+            f"{len(builds)} cached builds, none of the current patches; `moe-l2 build-llama` builds it",
         )
     return Check("llama-server", "warn", "not built yet: `moe-l2 build-llama` (or `moe-l2 up`, which builds it)")
 

@@ -468,6 +468,36 @@ def cached_binary(cache: Path, key: str) -> Path:
     return cache / "llama" / key / "bin" / "llama-server"
 
 
+@dataclass(frozen=True)
+class CachedBuild:
+    key: str
+    backend: str
+    binary: Path
+    current: bool  # built from the pinned source and exactly these patches
+
+
+def cached_builds(cache: Path, patches: list[Path]) -> list[CachedBuild]:
+    """Every build in the cache, newest first, each read from its build-info.json.
+
+    Whether a build is current is read from what it was built from (the source's hash and each
+    patch's), not recomputed from a BuildConfig: its flags (CUDA architectures, -march=native or
+    portable) are the builder's choice, and a key recomputed with other defaults would call a fresh
+    build stale."""
+    wanted = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in patches}
+    found = []
+    for info_path in (cache / "llama").glob("*/build-info.json"):
+        binary = info_path.parent / "bin" / "llama-server"
+        try:
+            info = json.loads(info_path.read_text())
+        except (OSError, ValueError):
+            continue
+        if not binary.is_file() or not isinstance(info, dict):
+            continue
+        current = info.get("sdist_sha256") == SDIST_SHA256 and info.get("patches") == wanted
+        found.append(CachedBuild(info_path.parent.name, str(info.get("backend", "?")), binary, current))
+    return sorted(found, key=lambda b: b.binary.stat().st_mtime, reverse=True)
+
+
 def build(
     config: BuildConfig | None = None,
     *,
