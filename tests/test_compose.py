@@ -24,6 +24,9 @@ from typing import Any
 import pytest
 import yaml
 
+from moe_l2_common.services import PROXY
+from moe_l2_common.services import SERVICES as MOE_L2_SERVICES
+
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "compose.yaml"
 COMPOSE_CPU = ROOT / "compose.cpu.yaml"
@@ -33,16 +36,13 @@ GRAFANA = ROOT / "services" / "grafana"
 # the one-shot admin-token runs before the others and exits (ONE_SHOT): no port, no healthcheck
 ONE_SHOT = {"admin-token"}
 SERVICES = {"proxy", "predictor", "cache-manager", "llama", "redis", "prometheus", "grafana"} | ONE_SHOT
-PORTS = {
-    "proxy": 11435,
-    "llama": 11436,
-    "predictor": 11437,
-    "cache-manager": 11438,
+# the moe-l2 services' ports from the project's one table of them; the others are the images' own
+PORTS = {name: service.port for name, service in MOE_L2_SERVICES.items()} | {
     "redis": 6379,
     "prometheus": 9090,
     "grafana": 3000,
 }
-PUBLISHED = {"proxy": 11435, "grafana": 3000}
+PUBLISHED = {"proxy": PROXY.port, "grafana": 3000}
 PYTHON_SERVICES = {"proxy": "moe_l2_proxy", "predictor": "moe_l2_predictor", "cache-manager": "moe_l2_cache"}
 EXTRAS = {"proxy": "proxy", "predictor": "predictor", "cache-manager": "cache"}
 CUDA_ARCHITECTURES = {"61", "75", "86", "89", "90", "120"}

@@ -29,6 +29,7 @@ from moe_l2_common.admin import (
     configured_token,
     ensure_token_file,
 )
+from moe_l2_common.services import CACHE_MANAGER, LLAMA, PROXY
 from moe_l2_common.supervisor import (
     STATE_FILENAME,
     RestartPolicy,
@@ -53,9 +54,9 @@ class StackSettings(BaseSettings):
         description="logs, Redis' append-only file, the generated demo model",
     )
     # the ports the services are wired to each other with (each service reads its own as well)
-    llama_port: int = Field(default=11436, ge=1, le=65535)
-    cache_port: int = Field(default=11438, ge=1, le=65535)
-    proxy_port: int = Field(default=11435, ge=1, le=65535)
+    llama_port: int = Field(default=LLAMA.port, ge=1, le=65535)
+    cache_port: int = Field(default=CACHE_MANAGER.port, ge=1, le=65535)
+    proxy_port: int = Field(default=PROXY.port, ge=1, le=65535)
     demo_seed: int = 0
     start_timeout_s: float = Field(default=180.0, gt=0)
     # restarts of a service that dies (see moe_l2_common.supervisor.RestartPolicy)

@@ -22,13 +22,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from moe_l2_common.services import CACHE_MANAGER, LLAMA, PREDICTOR, PROXY
+
 Samples = dict[str, list[tuple[dict[str, str], float]]]  # sample name -> [(labels, value)]
 # The gateway's own probes and figures are not traffic.
 OPS_ROUTES = frozenset({"/metrics", "/healthz", "/readyz", "/moe/stats"})
-
-
-def _local(port_var: str, default: int) -> str:
-    return f"http://127.0.0.1:{os.environ.get(port_var, default)}"
 
 
 class OpsSettings(BaseSettings):
@@ -36,10 +34,10 @@ class OpsSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="MOE_L2_", extra="ignore")
 
-    proxy_url: str = Field(default_factory=lambda: _local("MOE_L2_PROXY_PORT", 11435))
-    llama_url: str = Field(default_factory=lambda: _local("MOE_L2_LLAMA_PORT", 11436))
-    predictor_urls: str = Field(default_factory=lambda: _local("MOE_L2_PREDICTOR_PORT", 11437))
-    cache_url: str = Field(default_factory=lambda: _local("MOE_L2_CACHE_PORT", 11438))
+    proxy_url: str = Field(default_factory=lambda: PROXY.local_url())
+    llama_url: str = Field(default_factory=lambda: LLAMA.local_url())
+    predictor_urls: str = Field(default_factory=lambda: PREDICTOR.local_url())
+    cache_url: str = Field(default_factory=lambda: CACHE_MANAGER.local_url())
     redis_url: str = Field(
         default_factory=lambda: (
             f"redis://{os.environ.get('MOE_L2_REDIS_HOST', '127.0.0.1')}:{os.environ.get('MOE_L2_REDIS_PORT', 6379)}/0"

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from moe_l2_common.admin import ADMIN_TOKEN_HEADER, AdminTokenError, configured_token
 from moe_l2_common.domains import known_domains
+from moe_l2_common.services import CACHE_MANAGER, LLAMA
 
 
 class PromptLine(BaseModel):
@@ -145,8 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         "cache-manager's routing tables.",
     )
     parser.add_argument("--prompts", type=Path, required=True, help="JSON-lines file of {domain, text}")
-    parser.add_argument("--llama-url", default=os.environ.get("MOE_L2_LLAMA_URL", "http://127.0.0.1:11436"))
-    parser.add_argument("--cache-url", default=os.environ.get("MOE_L2_CACHE_URL", "http://127.0.0.1:11438"))
+    parser.add_argument("--llama-url", default=os.environ.get("MOE_L2_LLAMA_URL", LLAMA.local_url()))
+    parser.add_argument("--cache-url", default=os.environ.get("MOE_L2_CACHE_URL", CACHE_MANAGER.local_url()))
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens generated per prompt (default 16)")
     parser.add_argument("--parallel", type=int, default=4, help="prompts in flight (default 4, llama's slots)")
     parser.add_argument("--no-pull", action="store_true", help="do not ask the cache-manager to pull at the end")

@@ -9,15 +9,16 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from moe_l2_common.admin import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV, configured_token
 from moe_l2_common.domains import UNTAGGED, known_domains, split_domains
+from moe_l2_common.services import CACHE_MANAGER, LLAMA
 
 
 class CacheSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MOE_L2_", extra="ignore")
 
     cache_host: str = "127.0.0.1"
-    cache_port: int = Field(default=11438, ge=1, le=65535)
+    cache_port: int = Field(default=CACHE_MANAGER.port, ge=1, le=65535)
     redis_url: str = "redis://127.0.0.1:6379/0"
-    llama_url: str = "http://127.0.0.1:11436"
+    llama_url: str = Field(default_factory=LLAMA.local_url)
     model_path: Path | None = Field(default=None, description="the GGUF llama serves (first shard of a split model)")
 
     pool_bytes: int = Field(default=8 << 30, ge=0, description="host-memory budget of the expert pool")

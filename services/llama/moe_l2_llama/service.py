@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from moe_l2_common.services import LLAMA
 from moe_l2_common.supervisor import ServiceSpec, http_ok
 from moe_l2_llama.settings import LlamaSettings, device_env, llama_server_command, llama_server_env
 
@@ -23,7 +24,7 @@ def llama_service_spec(
         name=name,
         argv=llama_server_command(binary, model, settings),
         env={**llama_server_env(settings), **device_env(binary)},
-        health=http_ok(f"{base}/health"),
+        health=http_ok(f"{base}{LLAMA.health_path}"),
         url=base + url_path,
         start_timeout_s=start_timeout_s,
     )

@@ -15,6 +15,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from moe_l2_common.admin import configured_token
 from moe_l2_common.domains import known_domains
+from moe_l2_common.services import LLAMA
 
 
 class LlamaSettings(BaseSettings):
@@ -27,7 +28,7 @@ class LlamaSettings(BaseSettings):
         default=None, description="use this llama-server binary (built with the patches) instead of building one"
     )
     llama_host: str = "127.0.0.1"
-    llama_port: int = Field(default=11436, ge=1, le=65535)
+    llama_port: int = Field(default=LLAMA.port, ge=1, le=65535)
     parallel: int = Field(default=4, ge=1, le=256, description="llama-server slots (-np)")
     ctx_size: int = Field(default=4096, ge=0, description="total context over all slots (-c)")
     threads: int | None = Field(default=None, ge=1, description="CPU threads (-t), llama.cpp picks if unset")

@@ -8,6 +8,8 @@ from pathlib import Path
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from moe_l2_common.services import PREDICTOR
+
 TIERS = ("keyword", "tfidf", "semantic")
 
 
@@ -20,7 +22,7 @@ class PredictorSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MOE_L2_PREDICTOR_", extra="ignore")
 
     host: str = "127.0.0.1"
-    port: int = Field(default=11437, ge=1, le=65535)
+    port: int = Field(default=PREDICTOR.port, ge=1, le=65535)
     tiers: str = Field(
         default="keyword,tfidf,semantic",
         description="comma-separated tiers to run; more than one is combined by the hybrid",

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import os
 
+from moe_l2_common.services import PREDICTOR
 from moe_l2_common.stack import python_service
 from moe_l2_common.supervisor import ServiceSpec
 
-DEFAULT_PORT = 11437
+DEFAULT_PORT = PREDICTOR.port
 PORT_STEP = 100
 START_TIMEOUT_S = 600.0
 
@@ -33,7 +34,7 @@ def replica_count() -> int:
 
 
 def replica_ports() -> list[int]:
-    base = int(os.environ.get("MOE_L2_PREDICTOR_PORT", DEFAULT_PORT))
+    base = int(os.environ.get(PREDICTOR.port_env, DEFAULT_PORT))
     return [base + PORT_STEP * i for i in range(replica_count())]
 
 
@@ -47,7 +48,7 @@ def predictor_services() -> list[ServiceSpec]:
     specs = []
     for i, port in enumerate(ports):
         name = "predictor" if len(ports) == 1 else f"predictor-{i + 1}"
-        spec = python_service(name, "moe_l2_predictor", port, {"MOE_L2_PREDICTOR_PORT": str(port)}, required=False)
+        spec = python_service(name, "moe_l2_predictor", port, {PREDICTOR.port_env: str(port)}, required=False)
         spec.start_timeout_s = START_TIMEOUT_S
         specs.append(spec)
     return specs

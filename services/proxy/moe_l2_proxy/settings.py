@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-
-def _local_url(port_var: str, default_port: int) -> str:
-    """The URL of a sibling service run by `moe-l2 up`, following its own MOE_L2_*_PORT if set."""
-    return f"http://127.0.0.1:{os.environ.get(port_var, default_port)}"
+from moe_l2_common.services import CACHE_MANAGER, LLAMA, PREDICTOR, PROXY
 
 
 def split_list(value: str) -> list[str]:
@@ -22,9 +17,9 @@ class ProxySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MOE_L2_", extra="ignore")
 
     proxy_host: str = "127.0.0.1"
-    proxy_port: int = Field(default=11435, ge=1, le=65535)
+    proxy_port: int = Field(default=PROXY.port, ge=1, le=65535)
 
-    llama_url: str = Field(default_factory=lambda: _local_url("MOE_L2_LLAMA_PORT", 11436))
+    llama_url: str = Field(default_factory=lambda: LLAMA.local_url())
     llama_api_key: str = Field(default="", description="sent to llama as a Bearer token, only when set")
     llama_connect_timeout_s: float = Field(default=5.0, gt=0)
     llama_read_timeout_s: float = Field(
@@ -33,16 +28,14 @@ class ProxySettings(BaseSettings):
     llama_max_connections: int = Field(default=512, ge=1)
 
     predictor_urls: str = Field(
-        default_factory=lambda: _local_url("MOE_L2_PREDICTOR_PORT", 11437),
+        default_factory=lambda: PREDICTOR.local_url(),
         description="comma-separated; each host name is expanded to all of its addresses (Docker replicas)",
     )
     predict_budget_ms: float = Field(default=50.0, ge=0, description="0 skips the predictor (keyword tier only)")
     predictor_cooldown_s: float = Field(default=5.0, ge=0, description="a failing replica is skipped this long")
     predictor_dns_refresh_s: float = Field(default=10.0, gt=0)
 
-    cache_url: str = Field(
-        default_factory=lambda: _local_url("MOE_L2_CACHE_PORT", 11438), description="empty: no hints are sent"
-    )
+    cache_url: str = Field(default_factory=lambda: CACHE_MANAGER.local_url(), description="empty: no hints are sent")
     hint_queue_size: int = Field(default=256, ge=1)
     hint_timeout_s: float = Field(default=1.0, gt=0)
 
