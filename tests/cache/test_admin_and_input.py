@@ -15,6 +15,7 @@ from moe_l2_cache.app import create_app
 from moe_l2_cache.settings import CacheSettings
 from moe_l2_common.admin import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV, ADMIN_TOKEN_HEADER
 from moe_l2_common.domains import DEFAULT_DOMAINS, UNTAGGED
+from moe_l2_common.schemas.errors import ServiceError
 from moe_l2_common.supervisor import free_port
 
 from ..conftest import ADMIN_HEADERS, ADMIN_TOKEN
@@ -46,7 +47,7 @@ def test_admin_calls_need_the_token(start: Callable[..., CacheManager]) -> None:
     for path in ADMIN_CALLS:
         missing = manager.client.post(path)
         assert missing.status_code == 401, (path, missing.text)
-        assert ADMIN_TOKEN_HEADER in missing.json()["detail"]
+        assert ADMIN_TOKEN_HEADER in missing.json()["error"]["message"]
         wrong = manager.client.post(path, headers={ADMIN_TOKEN_HEADER: SECRET})
         assert wrong.status_code == 401 and SECRET not in wrong.text, (path, wrong.text)
         # the token of the Authorization header is not the admin token's place
@@ -66,7 +67,7 @@ def test_no_token_configured_refuses_every_admin_call(start: Callable[..., Cache
         for headers in ({}, ADMIN_HEADERS, {ADMIN_TOKEN_HEADER: ""}):
             resp = manager.client.post(path, headers=headers)
             assert resp.status_code == 401, (path, headers, resp.text)
-            assert "no admin token is configured" in resp.json()["detail"]
+            assert "no admin token is configured" in resp.json()["error"]["message"]
     manager.stop()
 
     # the token from a file (as compose mounts it), and an unreadable file refuses everything
@@ -78,7 +79,7 @@ def test_no_token_configured_refuses_every_admin_call(start: Callable[..., Cache
     from_file.stop()
     missing = start(**{ADMIN_TOKEN_ENV: "", ADMIN_TOKEN_FILE_ENV: str(tmp_path / "nope")})
     resp = missing.client.post("/v1/pull", headers={ADMIN_TOKEN_HEADER: "anything"})
-    assert resp.status_code == 401 and "cannot read the admin token file" in resp.json()["detail"]
+    assert resp.status_code == 401 and "cannot read the admin token file" in resp.json()["error"]["message"]
 
 
 def test_the_token_is_sent_on_llamas_admin_calls(demo_model: Path) -> None:
@@ -101,7 +102,7 @@ def test_hints_take_only_known_domains(start: Callable[..., CacheManager]) -> No
     for domain, why in (("_global", "reserved"), ("_x", "reserved"), ("nosuchdomain", "not a known domain")):
         resp = manager.client.post("/v1/hint", json={"domain": domain})
         assert resp.status_code == 400, (domain, resp.text)
-        detail = resp.json()["detail"]
+        detail = resp.json()["error"]["message"]
         assert why in detail and "valid domains: " in detail
         assert set(detail.split("valid domains: ")[1].split(", ")) == {*DEFAULT_DOMAINS, "legal", UNTAGGED}
         assert domain not in detail
@@ -127,17 +128,21 @@ def test_validation_errors_say_where_and_why_not_what(start: Callable[..., Cache
     for resp in cases:
         assert resp.status_code == 422, (resp.request.url, resp.text)
         assert SECRET not in resp.text, (resp.request.url, resp.text)
-        errors = resp.json()["detail"]
+        error = ServiceError.model_validate(resp.json()).model_dump()["error"]
+        assert error["type"] == "invalid_request"
+        errors = error["details"]
         assert errors and all(set(e) == {"loc", "msg", "type"} for e in errors)
-    first = cases[0].json()["detail"]
+    first = cases[0].json()["error"]["details"]
     assert [e["loc"] for e in first] == [["body", "domain"]] and "pattern" in first[0]["msg"]
-    assert cases[5].json()["detail"][0]["loc"] == ["query", "format"]
+    assert cases[5].json()["error"]["details"][0]["loc"] == ["query", "format"]
     # a reserved or unknown domain is a 400 that does not repeat it either
     resp = c.post("/v1/hint", json={"domain": f"_{SECRET}"})
     assert resp.status_code == 400 and SECRET not in resp.text
     # nothing that came in is echoed by the 401 either (test_admin_calls_need_the_token), nor a 404
     resp = c.get(f"/v1/hotset/{SECRET}")
     assert resp.status_code == 404 and SECRET not in resp.text
+    # the internal services' one error envelope, for every status
+    assert ServiceError.model_validate(resp.json()).error.type == "not_found"
     for body in (b"\xff\xfe", b"{}", b'{"domain": null}', b'{"domain": 5}', b"", b"null"):
         resp = c.post("/v1/hint", content=body, headers={"Content-Type": "application/json"})
         assert 400 <= resp.status_code < 500, (body, resp.text)

@@ -62,7 +62,7 @@ def test_pass_through_mode_says_why_and_accepts_hints(tmp_path: Path, case: str)
         assert client.get("/v1/stats").json()["hints"]["hints"] == 1
         for path in ("/v1/index", "/v1/hotset/math"):
             resp = client.get(path)
-            assert resp.status_code == 409 and fragment in resp.json()["detail"]
+            assert resp.status_code == 409 and fragment in resp.json()["error"]["message"]
         assert client.post("/v1/pull").status_code == 401  # admin calls first need the token
         assert client.post("/v1/pull", headers=ADMIN_HEADERS).status_code == 409
         assert "moe_l2_cache_passthrough 1.0" in client.get("/metrics").text

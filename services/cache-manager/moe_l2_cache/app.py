@@ -26,6 +26,7 @@ from redis.asyncio import Redis
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 from redis.retry import Retry
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moe_l2_cache.buffer import CountBuffer
 from moe_l2_cache.engine_cache import EngineCacheFeeder
@@ -48,6 +49,7 @@ from moe_l2_common.schemas.cache import (
     PullResponse,
     StatsResponse,
 )
+from moe_l2_common.schemas.errors import error_body
 from moe_l2_common.schemas.hint import HintRequest, HintResponse
 
 log = logging.getLogger("moe_l2_cache")
@@ -381,6 +383,13 @@ def _routes(app: FastAPI) -> None:
         body = await asyncio.to_thread(generate_latest, request.app.state.registry)
         return Response(content=body, media_type=CONTENT_TYPE_LATEST)
 
+    # Every error in the internal services' one envelope (schemas/errors.py), not FastAPI's {"detail"}.
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return JSONResponse(
+            error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code, headers=exc.headers
+        )
+
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> Response:
         # FastAPI's default handler sends each error's `input` back: a body with a secret in it
@@ -388,8 +397,8 @@ def _routes(app: FastAPI) -> None:
         errors = [
             {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")} for e in exc.errors()
         ]
-        return JSONResponse({"detail": errors}, status_code=422)
+        return JSONResponse(error_body(422, "the request does not match the schema", details=errors), status_code=422)
 
     @app.exception_handler(RedisError)
     async def redis_down(request: Request, exc: RedisError) -> Response:
-        return PlainTextResponse(f"Redis unreachable: {exc}", status_code=503)
+        return JSONResponse(error_body(503, f"Redis unreachable: {exc}"), status_code=503)

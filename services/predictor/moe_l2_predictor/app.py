@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 from starlette.requests import ClientDisconnect
 
+from moe_l2_common.schemas.errors import error_body
 from moe_l2_common.schemas.predict import (
     PredictBatchRequest,
     PredictBatchResponse,
@@ -45,10 +46,7 @@ class BadRequest(Exception):
 
 
 def error(status: int, kind: str, message: str, details: list[dict[str, Any]] | None = None) -> JSONResponse:
-    body: dict[str, Any] = {"error": {"type": kind, "message": message}}
-    if details:
-        body["error"]["details"] = details
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(error_body(status, message, kind, details), status_code=status)
 
 
 async def read_body(request: Request, limit: int) -> bytes:
