@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, TypeVar
 
 import anyio
@@ -126,7 +126,23 @@ def create_app(settings: PredictorSettings | None = None, predictor: Predictor |
     """The app. Unless a predictor is given, the lifespan builds one of the cheap tiers, which
     serves at once, and loads the semantic tier in the background (semantic_loader.py)."""
     settings = settings or PredictorSettings()
+    app = FastAPI(title="moe-l2 predictor", version="0.1.0", lifespan=_lifespan(settings, predictor))
+    app.state.settings = settings
+    _prediction_routes(app)
+    _ops_routes(app)
 
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = openapi_document(app, [PredictRequest, PredictBatchRequest])
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app
+
+
+def _lifespan(
+    settings: PredictorSettings, predictor: Predictor | None
+) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # a given predictor's configuration: the tiers it runs and those it had to leave off
@@ -155,42 +171,48 @@ def create_app(settings: PredictorSettings | None = None, predictor: Predictor |
             yield
             tasks.cancel_scope.cancel()
 
-    app = FastAPI(title="moe-l2 predictor", version="0.1.0", lifespan=lifespan)
+    return lifespan
 
-    async def run(request: Request, fn: Callable[[], list[Outcome]]) -> list[Outcome]:
-        started = time.perf_counter()
-        outcomes = await anyio.to_thread.run_sync(fn, limiter=request.app.state.limiter)
-        record(request.app.state.metrics, outcomes, time.perf_counter() - started)
-        return outcomes
 
-    async def handle(request: Request, endpoint: str, work: Callable[[bytes], Awaitable[Response]]) -> Response:
-        metrics: PredictorMetrics = request.app.state.metrics
-        try:
-            raw = await read_body(request, settings.max_body_bytes)
-            response = await work(raw)
-        except BadRequest as exc:
-            metrics.requests.labels(endpoint, str(exc.status)).inc()
-            return error(exc.status, exc.kind, exc.message, exc.details)
-        except ClientDisconnect:
-            # the client left while sending its body (a gateway whose budget ran out, a killed
-            # client): routine, not a server error, and there is no one to answer
-            metrics.requests.labels(endpoint, str(CLIENT_CLOSED)).inc()
-            return Response(status_code=CLIENT_CLOSED)
-        metrics.requests.labels(endpoint, "200").inc()
-        return response
+async def _run(request: Request, fn: Callable[[], list[Outcome]]) -> list[Outcome]:
+    """The prediction on a worker thread, at most `concurrency` at once, recorded in the metrics."""
+    started = time.perf_counter()
+    outcomes = await anyio.to_thread.run_sync(fn, limiter=request.app.state.limiter)
+    record(request.app.state.metrics, outcomes, time.perf_counter() - started)
+    return outcomes
 
+
+async def _handle(request: Request, endpoint: str, work: Callable[[bytes], Awaitable[Response]]) -> Response:
+    """Reads the bounded body, runs `work` on it and counts the answer; a bad request is an error body."""
+    metrics: PredictorMetrics = request.app.state.metrics
+    try:
+        raw = await read_body(request, request.app.state.settings.max_body_bytes)
+        response = await work(raw)
+    except BadRequest as exc:
+        metrics.requests.labels(endpoint, str(exc.status)).inc()
+        return error(exc.status, exc.kind, exc.message, exc.details)
+    except ClientDisconnect:
+        # the client left while sending its body (a gateway whose budget ran out, a killed
+        # client): routine, not a server error, and there is no one to answer
+        metrics.requests.labels(endpoint, str(CLIENT_CLOSED)).inc()
+        return Response(status_code=CLIENT_CLOSED)
+    metrics.requests.labels(endpoint, "200").inc()
+    return response
+
+
+def _prediction_routes(app: FastAPI) -> None:
     @app.post("/v1/predict", response_model=PredictResponse, openapi_extra=request_body(PredictRequest))
     async def predict(request: Request) -> Response:
         async def work(raw: bytes) -> Response:
             body = parse(PredictRequest, raw)
             prompt = from_request(body)
             predictor: Predictor = request.app.state.predictor
-            [outcome] = await run(request, lambda: predictor.predict_many([prompt]))
+            [outcome] = await _run(request, lambda: predictor.predict_many([prompt]))
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("predict %r -> %s", prompt.main[:80], outcome.response.domain)
             return JSONResponse(outcome.response.model_dump(), headers=tiers_header([outcome]))
 
-        return await handle(request, "/v1/predict", work)
+        return await _handle(request, "/v1/predict", work)
 
     @app.post("/v1/predict/batch", response_model=PredictBatchResponse, openapi_extra=request_body(PredictBatchRequest))
     async def predict_batch(request: Request) -> Response:
@@ -198,12 +220,14 @@ def create_app(settings: PredictorSettings | None = None, predictor: Predictor |
             body = parse(PredictBatchRequest, raw)
             prompts = [from_request(item) for item in body.items]
             predictor: Predictor = request.app.state.predictor
-            outcomes = await run(request, lambda: predictor.predict_many(prompts)) if prompts else []
+            outcomes = await _run(request, lambda: predictor.predict_many(prompts)) if prompts else []
             body = PredictBatchResponse(results=[o.response for o in outcomes]).model_dump()
             return JSONResponse(body, headers=tiers_header(outcomes))
 
-        return await handle(request, "/v1/predict/batch", work)
+        return await _handle(request, "/v1/predict/batch", work)
 
+
+def _ops_routes(app: FastAPI) -> None:
     @app.get("/v1/domains")
     async def domains(request: Request) -> dict[str, Any]:
         predictor: Predictor = request.app.state.predictor
@@ -230,11 +254,3 @@ def create_app(settings: PredictorSettings | None = None, predictor: Predictor |
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            app.openapi_schema = openapi_document(app, [PredictRequest, PredictBatchRequest])
-        return app.openapi_schema
-
-    app.openapi = openapi  # type: ignore[method-assign]
-    return app
