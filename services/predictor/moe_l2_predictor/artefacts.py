@@ -164,12 +164,44 @@ def _fit(
 ) -> Artefacts:
     started = time.monotonic()
     names = taxonomy.names
-    k = len(names)
     rules = LanguageRules(taxonomy)
     prompts = [item.prompt for item in training]
     labels = np.array([names.index(item.domain) for item in training])
-    mains = [p.main for p in prompts]
     art = Artefacts(key=key)
+    live, table = _fit_tiers(art, taxonomy, prompts, labels, tiers, encoder, rules)
+
+    oof: dict[str, np.ndarray] = {}
+    if cross_validate or not calibration:
+        oof = _out_of_fold(taxonomy, prompts, labels, tiers, table)
+        if "keyword" in tiers:
+            oof["keyword"] = live["keyword"].proba(prompts)  # not out-of-fold: nothing to fit
+    report: dict[str, Any] = {"examples": len(training), "calibration_prompts": len(calibration)}
+    if oof:
+        report["cv_accuracy_on_examples"] = {t: _accuracy(p, labels) for t, p in oof.items()}
+    fit_labels, fit_on, langs = _combiner_inputs(names, calibration, live, oof, prompts, labels, tiers, report)
+    _fit_combiners(art, tiers, fit_on, fit_labels, langs, rules, report)
+    cheap = tuple(t for t in tiers if t != "semantic")
+    if "semantic" in tiers and cheap in art.combiners:
+        combined = rules.apply(art.combiners[cheap].combine([fit_on[t] for t in cheap]), langs)
+        report["early_exit"] = _early_exit(combined, fit_labels)
+    report["fit_seconds"] = round(time.monotonic() - started, 2)
+    art.report = report
+    return art
+
+
+def _fit_tiers(
+    art: Artefacts,
+    taxonomy: Taxonomy,
+    prompts: list[Prompt],
+    labels: np.ndarray,
+    tiers: tuple[str, ...],
+    encoder: Encoder | None,
+    rules: LanguageRules,
+) -> tuple[dict[str, Any], _EmbeddingTable | None]:
+    """Fits each tier on the examples (into `art`); returns the tiers ready to predict, and the
+    embedding table the semantic tier filled (the cross-validation reuses it)."""
+    k = len(taxonomy.names)
+    mains = [p.main for p in prompts]
     live: dict[str, Any] = {}
     table: _EmbeddingTable | None = None
     if "keyword" in tiers:
@@ -183,26 +215,42 @@ def _fit(
         table = _EmbeddingTable(encoder, [t for p in prompts for t, _ in p.segments])
         art.semantic_head = tier_semantic.fit_head(table(mains), labels.tolist())
         live["semantic"] = tier_semantic.SemanticTier(encoder, art.semantic_head, rules, k)
+    return live, table
 
-    oof: dict[str, np.ndarray] = {}
-    if cross_validate or not calibration:
-        oof = _out_of_fold(taxonomy, prompts, labels, tiers, table)
-        if "keyword" in tiers:
-            oof["keyword"] = live["keyword"].proba(prompts)  # not out-of-fold: nothing to fit
-    report: dict[str, Any] = {"examples": len(training), "calibration_prompts": len(calibration)}
-    if oof:
-        report["cv_accuracy_on_examples"] = {t: _accuracy(p, labels) for t, p in oof.items()}
+
+def _combiner_inputs(
+    names: list[str],
+    calibration: list[Labeled],
+    live: dict[str, Any],
+    oof: dict[str, np.ndarray],
+    prompts: list[Prompt],
+    labels: np.ndarray,
+    tiers: tuple[str, ...],
+    report: dict[str, Any],
+) -> tuple[np.ndarray, dict[str, np.ndarray], list[str]]:
+    """What the combiners are fitted on: the tiers' answers to the calibration prompts, else their
+    out-of-fold answers to the examples. Returns (labels, answers per tier, languages)."""
     if calibration:
         cal_prompts = [item.prompt for item in calibration]
-        fit_labels = np.array([names.index(item.domain) for item in calibration])
-        fit_on = {t: live[t].proba(cal_prompts) for t in tiers}
-        langs = [p.lang for p in cal_prompts]
         report["combiners_fitted_on"] = f"{len(calibration)} calibration prompts"
-    elif all(t in oof for t in tiers):
-        fit_labels, fit_on, langs = labels, oof, [p.lang for p in prompts]
+        fit_labels = np.array([names.index(item.domain) for item in calibration])
+        return fit_labels, {t: live[t].proba(cal_prompts) for t in tiers}, [p.lang for p in cal_prompts]
+    if all(t in oof for t in tiers):
         report["combiners_fitted_on"] = "out-of-fold predictions of the examples"
-    else:
-        raise ValueError("too few examples per domain to fit the hybrid: give calibration prompts or more examples")
+        return labels, oof, [p.lang for p in prompts]
+    raise ValueError("too few examples per domain to fit the hybrid: give calibration prompts or more examples")
+
+
+def _fit_combiners(
+    art: Artefacts,
+    tiers: tuple[str, ...],
+    fit_on: dict[str, np.ndarray],
+    fit_labels: np.ndarray,
+    langs: list[str],
+    rules: LanguageRules,
+    report: dict[str, Any],
+) -> None:
+    """A combiner for every set of two or more tiers (into `art`), with its weights and accuracy."""
     scores: dict[str, float] = {t: _accuracy(p, fit_labels) for t, p in fit_on.items()}
     for size in range(2, len(tiers) + 1):
         for combo in itertools.combinations(tiers, size):
@@ -213,22 +261,20 @@ def _fit(
             )
             report.setdefault("weights", {})["+".join(combo)] = dict(zip(combo, combiner.weights, strict=True))
     report["accuracy_where_combiners_were_fitted"] = scores
-    cheap = tuple(t for t in tiers if t != "semantic")
-    if "semantic" in tiers and cheap in art.combiners:
-        # How often the semantic tier could be skipped, and how right the cheap tiers are then.
-        combined = rules.apply(art.combiners[cheap].combine([fit_on[t] for t in cheap]), langs)
-        confident = combined.max(axis=1)
-        right = combined.argmax(axis=1) == fit_labels
-        report["early_exit"] = {
-            str(threshold): {
-                "share": float((confident >= threshold).mean()),
-                "accuracy": float(right[confident >= threshold].mean()) if (confident >= threshold).any() else None,
-            }
-            for threshold in (0.8, 0.9, 0.95, 0.98)
+
+
+def _early_exit(combined: np.ndarray, labels: np.ndarray) -> dict[str, dict[str, float | None]]:
+    """How often the semantic tier could be skipped at each confidence of the cheap tiers, and how
+    right they are then."""
+    confident = combined.max(axis=1)
+    right = combined.argmax(axis=1) == labels
+    return {
+        str(threshold): {
+            "share": float((confident >= threshold).mean()),
+            "accuracy": float(right[confident >= threshold].mean()) if (confident >= threshold).any() else None,
         }
-    report["fit_seconds"] = round(time.monotonic() - started, 2)
-    art.report = report
-    return art
+        for threshold in (0.8, 0.9, 0.95, 0.98)
+    }
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
