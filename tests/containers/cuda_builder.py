@@ -3,10 +3,13 @@
     python -m tests.containers.cuda_builder [--arch 90] [--jobs N]
 
 A one-off check, not part of the suite (a full compile takes about half an hour on 2 cores): the
-private engine of the container test, the stand-in for nvidia/cuda:12.8.1-devel-ubuntu24.04 (the
-CUDA 12.8.1 toolkit from NVIDIA's PyPI wheels, standins/cuda-devel.Dockerfile), then
-`docker build --target build-cuda` of services/llama/Dockerfile exactly as compose builds it, the
-pinned source downloaded and patched inside the build. Prints each step's time as JSON.
+private engine of the container test, a stand-in for nvidia/cuda:13.0.1-devel-ubuntu24.04 (the CUDA
+13.0.1 toolkit from NVIDIA's PyPI wheels, standins/cuda-devel.Dockerfile), then
+`docker build --target build-cuda` of services/llama/Dockerfile as compose builds it but for
+CUDA_DEVEL_IMAGE, the pinned source downloaded and patched inside the build. The image's default
+devel image is CUDA 12.8.1, whose compiler is on no package index this machine reaches (CUDA 12's
+PyPI wheels hold no nvcc): the check runs the same stage with the 13.0 toolkit. Prints each step's
+time as JSON.
 """
 
 from __future__ import annotations
@@ -40,7 +43,12 @@ def main(argv: list[str] | None = None) -> int:
         build_standins(engine, timings, (CUDA_DEVEL,))
         timings["cuda_devel_standin_s"] = round(time.monotonic() - step, 1)
         step = time.monotonic()
-        build_args = ["--build-arg", f"CUDA_ARCHITECTURES={args.arch}"]
+        build_args = [
+            "--build-arg",
+            f"CUDA_ARCHITECTURES={args.arch}",
+            "--build-arg",
+            f"CUDA_DEVEL_IMAGE={CUDA_DEVEL.image}",
+        ]
         if args.jobs:
             build_args += ["--build-arg", f"BUILD_JOBS={args.jobs}"]
         engine.docker(

@@ -43,7 +43,7 @@ REDIS = StandIn("redis:7.4.2-alpine", "redis.Dockerfile")
 PROMETHEUS = StandIn("prom/prometheus:v3.1.0", "prometheus.Dockerfile")
 STANDINS = (PYTHON, REDIS, PROMETHEUS)
 # Only for the CUDA builder check (cuda_builder.py), not the suite.
-CUDA_DEVEL = StandIn("nvidia/cuda:12.8.1-devel-ubuntu24.04", "cuda-devel.Dockerfile")
+CUDA_DEVEL = StandIn("nvidia/cuda:13.0.1-devel-ubuntu24.04", "cuda-devel.Dockerfile")
 
 
 def debian_mirror() -> str:
