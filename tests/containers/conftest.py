@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -51,7 +51,6 @@ class Stack:
     env: dict[str, str]
     port: int
     admin_token: str
-    timings: dict[str, float] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
