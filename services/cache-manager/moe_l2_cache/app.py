@@ -15,7 +15,7 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import httpx
 from fastapi import Body, Depends, FastAPI, Header, HTTPException, Path, Request
@@ -49,7 +49,7 @@ from moe_l2_common.schemas.cache import (
     PullResponse,
     StatsResponse,
 )
-from moe_l2_common.schemas.errors import error_body
+from moe_l2_common.schemas.errors import ServiceError, error_body
 from moe_l2_common.schemas.hint import HintRequest, HintResponse
 
 log = logging.getLogger("moe_l2_cache")
@@ -226,7 +226,14 @@ def create_app(settings: CacheSettings | None = None) -> FastAPI:
         finally:
             await _stop(service)
 
-    app = FastAPI(title="moe-l2 cache-manager", lifespan=lifespan)
+    # Every error is a ServiceError (the handlers in _routes); the document says so, in place of
+    # FastAPI's own HTTPValidationError for 422.
+    errors: dict[int | str, dict[str, Any]] = {
+        422: {"model": ServiceError, "description": "the request does not match the schema (where and why)"},
+        "4XX": {"model": ServiceError, "description": "a refused request"},
+        "5XX": {"model": ServiceError, "description": "Redis or llama unreachable"},
+    }
+    app = FastAPI(title="moe-l2 cache-manager", lifespan=lifespan, responses=errors)
     _routes(app)
     return app
 
