@@ -507,6 +507,7 @@ def _make_policy(name: str | None, index: ExpertIndex, capacity: int) -> tuple[s
     chosen = name or DEFAULT_POLICY
     try:
         # top_k: the pool feeds the policy one expert at a time, not a token's k experts at once
-        return chosen, make_policy(chosen, index.n_layer, index.n_expert, capacity, top_k=index.n_expert_used)
+        policy = make_policy(chosen, index.n_layer, index.n_expert, capacity, top_k=index.n_expert_used)
+        return policy.name, policy
     except PolicyError as e:
         raise PoolError(f"MOE_L2_CACHE_POLICY: {e}") from e

@@ -51,8 +51,13 @@ def _hybrid(
     )
 
 
-def _threshold_prefetch(n_layer: int, n_expert: int, capacity: int, p: Mapping[str, Any]) -> CrossLayerPrefetch:
-    # Without transitions (the cache-manager's pool learns none) nothing is prefetched: it is the hybrid.
+def _threshold_prefetch(
+    n_layer: int, n_expert: int, capacity: int, p: Mapping[str, Any]
+) -> CrossLayerPrefetch | DomainPriorHybrid:
+    # Without transitions (the cache-manager's pool learns none) nothing would be prefetched: the
+    # policy is the hybrid, and its name says so (a pool reporting the prefetch's name misled).
+    if p.get("transitions") is None and not p.get("domain_transitions"):
+        return _hybrid(n_layer, n_expert, capacity, p)
     return CrossLayerPrefetch(
         _hybrid(n_layer, n_expert, capacity, p),
         p.get("transitions"),
