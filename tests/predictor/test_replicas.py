@@ -6,9 +6,7 @@ over the live replicas: read from each predictor's own /metrics. Needs the gatew
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import re
 import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,21 +16,10 @@ import httpx
 import pytest
 
 from moe_l2_common.supervisor import RunningService, ServiceSpec, Supervisor, free_port, http_ok
+from tests.metrics import sample_sum
 from tests.predictor.conftest import HELDOUT
 
-
-def _gateway_missing() -> bool:
-    try:
-        return importlib.util.find_spec("moe_l2_proxy.app") is None
-    except ImportError:
-        return True
-
-
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.llama,
-    pytest.mark.skipif(_gateway_missing(), reason="the gateway (moe_l2_proxy.app) is not built yet"),
-]
+pytestmark = [pytest.mark.slow, pytest.mark.llama]
 
 REPLICAS = 3
 CHATS = 36
@@ -41,12 +28,7 @@ KILL_AFTER = 12
 
 def served(text: str) -> float:
     """Successful /v1/predict requests in one predictor's Prometheus exposition."""
-    for line in text.splitlines():
-        if line.startswith("moe_l2_predictor_requests_total{"):
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0]))
-            if labels == {"endpoint": "/v1/predict", "status": "200"}:
-                return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    return sample_sum(text, "moe_l2_predictor_requests_total", endpoint="/v1/predict", status="200")
 
 
 @pytest.fixture
