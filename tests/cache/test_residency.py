@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from moe_l2_cache.residency import PAGE, ExpertPool
+from moe_l2_cache.pages import PAGE
+from moe_l2_cache.residency import ExpertPool
 from moe_l2_common.gguf_index import ExpertIndex, load_index
 
 

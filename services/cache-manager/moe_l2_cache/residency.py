@@ -8,40 +8,27 @@ MADV_DONTNEED on our mapping and POSIX_FADV_DONTNEED on the file) lets the kerne
 Which experts the pool holds is the expert-cache policy's decision (`moe_l2_cache.policy`, capacity
 = the experts per MoE layer the budget holds): the pinned hot set and every prefetch are accesses
 to it, and what it keeps resident is what the pool holds. The hot set's experts among those are
-locked; the others are only prefetched.
-
-mlock works on whole pages while expert slices are not page-aligned, and munlock is not counted:
-unlocking one expert would unlock the pages it shares with a neighbour. So the first and last page
-of every locked range carry a reference count; pages strictly inside a range belong to it alone.
+locked; the others are only prefetched. The pages themselves (mapping, mlock, madvise, mincore and
+their reference counts) are pages.py's.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import errno
 import logging
-import mmap
-import os
 import resource
-import sys
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from contextlib import suppress
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
-import numpy as np
-
+from moe_l2_cache.pages import ModelPages, PageRun, Span
 from moe_l2_cache.policy import DEFAULT_POLICY, ExpertCachePolicy, PolicyError, make_policy
-from moe_l2_common.gguf_index import ByteRange, ExpertIndex
+from moe_l2_common.gguf_index import ExpertIndex
 from moe_l2_common.schemas.cache import PoolStats
 
 log = logging.getLogger(__name__)
 
-PAGE = mmap.PAGESIZE
-_MADV_PAGEOUT: int | None = getattr(mmap, "MADV_PAGEOUT", 21 if sys.platform == "linux" else None)  # Linux >= 5.4
 Expert = tuple[int, int]  # (layer, expert)
 
 
@@ -49,86 +36,10 @@ class PoolError(Exception):
     """The pool cannot be set up (unreadable file, bad policy); the message is for the user."""
 
 
-class _Libc:
-    """mlock, munlock and mincore through ctypes (Python's mmap module has no binding for them)."""
-
-    def __init__(self) -> None:
-        self._libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        for name in ("mlock", "munlock"):
-            fn = getattr(self._libc, name)
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-            fn.restype = ctypes.c_int
-        self._libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        self._libc.mincore.restype = ctypes.c_int
-
-    def _check(self, rc: int, what: str) -> None:
-        if rc != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"{what}: {os.strerror(err)}")
-
-    def mlock(self, addr: int, length: int) -> None:
-        self._check(self._libc.mlock(addr, length), "mlock")
-
-    def munlock(self, addr: int, length: int) -> None:
-        self._check(self._libc.munlock(addr, length), "munlock")
-
-    def mincore(self, addr: int, length: int) -> np.ndarray:
-        """One byte per page of [addr, addr+length), bit 0 set when the page is resident."""
-        vec = np.zeros((length + PAGE - 1) // PAGE, dtype=np.uint8)
-        self._check(self._libc.mincore(addr, length, vec.ctypes.data), "mincore")
-        return vec
-
-
 def memlock_limit() -> int | None:
     """RLIMIT_MEMLOCK's soft limit in bytes, None when unlimited."""
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     return None if soft == resource.RLIM_INFINITY else int(soft)
-
-
-@dataclass
-class _Mapping:
-    path: Path
-    fd: int
-    mm: mmap.mmap
-    base: int  # address of the mapping
-    size: int
-
-    @classmethod
-    def open(cls, path: Path) -> _Mapping:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            size = os.fstat(fd).st_size
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        except BaseException:
-            os.close(fd)
-            raise
-        # numpy takes a read-only buffer (ctypes.from_buffer would not) and tells its address.
-        base = int(np.frombuffer(mm, dtype=np.uint8, count=1).ctypes.data)
-        return cls(path, fd, mm, base, size)
-
-    def close(self) -> None:
-        self.mm.close()
-        os.close(self.fd)
-
-
-@dataclass(frozen=True)
-class _Span:
-    """A byte range as whole pages of one mapping: [first, last] inclusive."""
-
-    file: int
-    offset: int
-    length: int
-
-    @property
-    def first(self) -> int:
-        return self.offset // PAGE
-
-    @property
-    def last(self) -> int:
-        return (self.offset + self.length - 1) // PAGE
-
-    def boundary_pages(self) -> list[int]:
-        return [self.first] if self.first == self.last else [self.first, self.last]
 
 
 @dataclass
@@ -152,8 +63,6 @@ class _State:
     pinned: set[Expert] = field(default_factory=set)
     locked: set[Expert] = field(default_factory=set)
     hot: dict[Expert, int] = field(default_factory=dict)  # expert -> rank in the hot set (0 = most useful)
-    lock_refs: dict[tuple[int, int], int] = field(default_factory=dict)  # (file, page) -> locked ranges
-    track_refs: dict[tuple[int, int], int] = field(default_factory=dict)  # (file, page) -> tracked ranges
 
 
 class ExpertPool:
@@ -171,24 +80,23 @@ class ExpertPool:
             raise PoolError(f"pool budget must be >= 0 bytes (got {budget_bytes})")
         self.index = index
         self.budget_bytes = budget_bytes
-        self._libc = _Libc()
-        self._files = {path: i for i, path in enumerate(index.files)}
-        self._maps: list[_Mapping] = []
         try:
-            for path in index.files:
-                self._maps.append(_Mapping.open(path))
+            self._pages = ModelPages(index.files)
         except OSError as e:
-            self.close()
             raise PoolError(f"cannot map {e.filename or 'the model'}: {e.strerror or e}") from e
         n_moe = len(index.layers)
         self.capacity_per_layer = min(index.n_expert, budget_bytes // (n_moe * index.max_expert_bytes))
-        self.policy_name, self._policy = _make_policy(policy, index, self.capacity_per_layer)
+        try:
+            self.policy_name, self._policy = _make_policy(policy, index, self.capacity_per_layer)
+        except PoolError:
+            self._pages.close()
+            raise
         self.lock_mode: Literal["mlock", "prefetch-only"] = "mlock" if lock else "prefetch-only"
         self.lock_problem: str | None = None if lock else "locking disabled by configuration"
         self._state = _State()
         self._counters = _Counters()
         self._lock = threading.RLock()
-        self._spans: dict[Expert, list[_Span]] = {}
+        self._spans: dict[Expert, list[Span]] = {}
 
     # -- public API --------------------------------------------------------------------------------
 
@@ -256,10 +164,10 @@ class ExpertPool:
         """Drop everything the pool holds; returns the bytes released."""
         with self._lock:
             released = self._tracked_bytes()
-            drop: list[tuple[int, int, int]] = []
+            drop: list[PageRun] = []
             for expert in list(self._state.tracked):
                 self._untrack(expert, drop)
-            self._drop(drop)
+            self._pages.drop(drop)
             self._state.pinned.clear()
             self._state.hot.clear()
             self._policy.reset()
@@ -279,7 +187,7 @@ class ExpertPool:
             resident = total = 0
             for expert in experts:
                 for span in self._spans_of(expert):
-                    resident += self._resident_in(span)
+                    resident += self._pages.resident(span)
                     total += span.length
             return resident, total
 
@@ -306,24 +214,20 @@ class ExpertPool:
             )
 
     def close(self) -> None:
-        lock = getattr(self, "_lock", None)
-        if lock is not None:
-            with lock:
-                for expert in list(self._state.locked):
-                    self._unlock(expert)
-        for m in self._maps:
-            m.close()
-        self._maps = []
+        with self._lock:
+            for expert in list(self._state.locked):
+                self._unlock(expert)
+            self._pages.close()
 
     # -- synchronisation with the policy -------------------------------------------------------------
 
     def _sync(self) -> None:
         desired = {(layer, e) for layer in self.index.layers for e in self._policy.resident(layer)}
         desired = self._within_budget(desired)
-        drop: list[tuple[int, int, int]] = []
+        drop: list[PageRun] = []
         for expert in self._state.tracked - desired:
             self._untrack(expert, drop)
-        self._drop(drop)
+        self._pages.drop(drop)
         for expert in sorted(desired - self._state.tracked):
             self._track(expert)
         want = {x for x in desired if x in self._state.hot}
@@ -379,115 +283,36 @@ class ExpertPool:
 
     def _track(self, expert: Expert) -> None:
         for span in self._spans_of(expert):
-            start, length = span.first * PAGE, (span.last - span.first + 1) * PAGE
-            mapping = self._maps[span.file]
-            mapping.mm.madvise(mmap.MADV_WILLNEED, start, min(length, mapping.size - start))
-            for page in span.boundary_pages():
-                key = (span.file, page)
-                self._state.track_refs[key] = self._state.track_refs.get(key, 0) + 1
+            self._pages.hold(span)
             self._counters.prefetch_bytes += span.length
         self._state.tracked.add(expert)
 
-    def _untrack(self, expert: Expert, drop: list[tuple[int, int, int]]) -> None:
-        """Stop holding an expert; the page runs nobody else holds go to `drop` (see _drop)."""
+    def _untrack(self, expert: Expert, drop: list[PageRun]) -> None:
+        """Stop holding an expert; the page runs nobody else holds go to `drop` (ModelPages.drop)."""
         if expert in self._state.locked:
             self._unlock(expert)
         for span in self._spans_of(expert):
-            drop += [(span.file, first, last) for first, last in self._release(self._state.track_refs, span)]
+            drop += self._pages.release(span)
             self._counters.evicted_bytes += span.length
         self._state.tracked.discard(expert)
         self._state.pinned.discard(expert)
 
-    def _drop(self, runs: list[tuple[int, int, int]]) -> None:
-        """Ask the kernel to drop these pages from the page cache, adjacent runs merged.
-
-        The page cache holds large folios (several pages) and POSIX_FADV_DONTNEED skips a folio that
-        is not entirely inside the range given. MADV_PAGEOUT reclaims the pages our mapping references
-        (the ones mlock faulted in), splitting a folio that sticks out of the range; MADV_DONTNEED then
-        unmaps what is left from this process, and POSIX_FADV_DONTNEED drops the unmapped whole folios.
-        Pages another process maps (llama's) stay: the kernel refuses to drop them, as it should.
-        """
-        merged: list[tuple[int, int, int]] = []
-        for file, first, last in sorted(runs):
-            if merged and merged[-1][0] == file and merged[-1][2] + 1 >= first:
-                merged[-1] = (file, merged[-1][1], max(merged[-1][2], last))
-            else:
-                merged.append((file, first, last))
-        for file, first, last in merged:
-            mapping = self._maps[file]
-            start = first * PAGE
-            length = min((last - first + 1) * PAGE, mapping.size - start)
-            if _MADV_PAGEOUT is not None:
-                with suppress(OSError):  # kernels before 5.4 do not know it; the calls below still work
-                    mapping.mm.madvise(_MADV_PAGEOUT, start, length)
-            mapping.mm.madvise(mmap.MADV_DONTNEED, start, length)
-            os.posix_fadvise(mapping.fd, start, length, os.POSIX_FADV_DONTNEED)
-
     def _lock_expert(self, expert: Expert) -> None:
-        done: list[_Span] = []
-        try:
-            for span in self._spans_of(expert):
-                mapping = self._maps[span.file]
-                self._libc.mlock(mapping.base + span.first * PAGE, (span.last - span.first + 1) * PAGE)
-                for page in span.boundary_pages():
-                    key = (span.file, page)
-                    self._state.lock_refs[key] = self._state.lock_refs.get(key, 0) + 1
-                done.append(span)
-        except OSError:
-            for span in done:
-                self._munlock_pages(span.file, self._release(self._state.lock_refs, span))
-            raise
+        self._pages.lock(self._spans_of(expert))
         self._state.locked.add(expert)
 
     def _unlock(self, expert: Expert) -> None:
         for span in self._spans_of(expert):
-            self._munlock_pages(span.file, self._release(self._state.lock_refs, span))
+            self._pages.unlock(span)
         self._state.locked.discard(expert)
 
-    def _munlock_pages(self, file: int, pages: list[tuple[int, int]]) -> None:
-        mapping = self._maps[file]
-        for first, last in pages:
-            self._libc.munlock(mapping.base + first * PAGE, (last - first + 1) * PAGE)
-
-    @staticmethod
-    def _release(refs: dict[tuple[int, int], int], span: _Span) -> list[tuple[int, int]]:
-        """Drops the span's references; returns the page runs no other range references any more."""
-        free: list[int] = []
-        for page in span.boundary_pages():
-            key = (span.file, page)
-            left = refs.get(key, 0) - 1
-            if left <= 0:
-                refs.pop(key, None)
-                free.append(page)
-            else:
-                refs[key] = left
-        runs: list[tuple[int, int]] = []
-        if span.last - span.first >= 2:
-            runs.append((span.first + 1, span.last - 1))
-        runs += [(p, p) for p in free]
-        return runs
-
-    def _resident_in(self, span: _Span) -> int:
-        mapping = self._maps[span.file]
-        vec = self._libc.mincore(mapping.base + span.first * PAGE, (span.last - span.first + 1) * PAGE)
-        resident = (vec & 1).astype(bool)
-        if not resident.any():
-            return 0
-        page_start = (np.arange(span.first, span.last + 1, dtype=np.int64)) * PAGE
-        lo = np.maximum(page_start, span.offset)
-        hi = np.minimum(page_start + PAGE, span.offset + span.length)
-        return int((hi - lo)[resident].sum())
-
-    def _spans_of(self, expert: Expert) -> list[_Span]:
+    def _spans_of(self, expert: Expert) -> list[Span]:
         spans = self._spans.get(expert)
         if spans is None:
             layer, e = expert
-            spans = [self._span(r) for r in self.index.expert_ranges(layer, e)]
+            spans = [self._pages.span(r) for r in self.index.expert_ranges(layer, e)]
             self._spans[expert] = spans
         return spans
-
-    def _span(self, r: ByteRange) -> _Span:
-        return _Span(self._files[r.path], r.offset, r.length)
 
     def _check_layer(self, layer: int) -> None:
         if layer not in self.index.layers:
