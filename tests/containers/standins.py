@@ -36,7 +36,7 @@ class StandIn:
     dockerfile: str
 
 
-# The public names compose.yaml and the Dockerfiles' build arguments default to (test_compose checks
+# The public names compose.yaml and the Dockerfiles' build arguments default to (test_dockerfiles checks
 # that these are the names they use).
 PYTHON = StandIn("python:3.12.8-slim-bookworm", "python.Dockerfile")
 REDIS = StandIn("redis:7.4.2-alpine", "redis.Dockerfile")
