@@ -13,7 +13,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp
 
 from moe_l2_common.keywords import KeywordClassifier
-from moe_l2_proxy import ollama_api, openai_api, ops_api
+from moe_l2_proxy import generation_routes, ollama_api, openai_api, ops_api
 from moe_l2_proxy.auth import ApiKeyAuth
 from moe_l2_proxy.cors import Cors, OriginPolicy
 from moe_l2_proxy.dispatch import GenerationDispatch
@@ -99,13 +99,7 @@ class GatewayApp(FastAPI):
 
     def build_middleware_stack(self) -> ASGIApp:
         settings: ProxySettings = self.state.settings
-        routes = {
-            "/v1/chat/completions": openai_api.chat_completions,
-            "/v1/completions": openai_api.completions,
-            "/api/chat": ollama_api.chat,
-            "/api/generate": ollama_api.generate,
-        }
-        app = GenerationDispatch(super().build_middleware_stack(), routes)
+        app = GenerationDispatch(super().build_middleware_stack(), generation_routes.handlers())
         app = BodyLimit(app, max_bytes=settings.max_body_bytes)
         app = ApiKeyAuth(app, keys=settings.api_key_list)
         app = Cors(app, OriginPolicy(settings.origin_list))
@@ -136,6 +130,7 @@ def create_app(settings: ProxySettings | None = None) -> FastAPI:
     install_error_handlers(app)
     app.add_exception_handler(ClientDisconnect, on_client_disconnect)
     app.include_router(ops_api.router)
+    generation_routes.register(app)  # before the /v1 passthrough (see `register`)
     app.include_router(openai_api.router)
     app.include_router(ollama_api.router)
     return app

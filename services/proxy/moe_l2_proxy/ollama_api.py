@@ -1,4 +1,8 @@
-"""The Ollama API, served by translating to llama-server's OpenAI API and back (ollama_translate)."""
+"""The Ollama API, served by translating to llama-server's OpenAI API and back (ollama_translate).
+
+The generation handlers (`chat`, `generate`) are registered in generation_routes.py, with OpenAI's;
+the rest of the API on `router`.
+"""
 
 from __future__ import annotations
 
@@ -57,7 +61,6 @@ async def version(request: Request) -> VersionResponse:
     return VersionResponse(version=gateway(request).settings.ollama_version)
 
 
-@router.post("/api/chat")
 async def chat(request: Request) -> Response:
     gw = gateway(request)
     req = parse_body(await request.body(), ChatRequest)
@@ -69,7 +72,6 @@ async def chat(request: Request) -> Response:
     return await translate(request, gw, decision, "chat", req.model, "/v1/chat/completions", body, req.stream)
 
 
-@router.post("/api/generate")
 async def generate(request: Request) -> Response:
     gw = gateway(request)
     req = parse_body(await request.body(), GenerateRequest)

@@ -3,6 +3,9 @@
 Generation requests are read only to decide their domain; the client's original body goes to
 llama unchanged, and the answer comes back unchanged (SSE relayed per upstream read, `[DONE]`
 included). Every other /v1 route is passed through with its method, query, body and headers.
+
+The generation handlers (`chat_completions`, `completions`) are registered in generation_routes.py,
+with Ollama's; the rest of the API on `router`.
 """
 
 from __future__ import annotations
@@ -34,7 +37,6 @@ def prompt_text(prompt: str | list[str] | list[int] | list[list[int]]) -> str:
     return "\n".join(p for p in prompt if isinstance(p, str))
 
 
-@router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     gw = gateway(request)
     body = await request.body()
@@ -43,7 +45,6 @@ async def chat_completions(request: Request) -> Response:
     return await generate(request, gw, body, decision, bool(view.stream))
 
 
-@router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     gw = gateway(request)
     body = await request.body()

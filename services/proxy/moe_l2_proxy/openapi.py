@@ -1,8 +1,9 @@
 """The gateway's published API (GET /openapi.json): the part of OpenAI's and Ollama's APIs it serves.
 
 Built from the same pydantic models the handlers parse with (moe_l2_common.schemas), so the
-document cannot drift from what is accepted. FastAPI's own generator cannot be used: the
-generation routes are dispatched ahead of FastAPI's router (see dispatch.py) and read their
+document cannot drift from what is accepted; the generation operations come from the table that
+registers those routes (generation_routes.py). FastAPI's own generator cannot be used: the
+generation handlers are dispatched ahead of FastAPI's router (see dispatch.py) and read their
 bodies themselves. Every `$ref` points into `components/schemas`, under the API's prefix
 (`openai.`, `ollama.`), since both APIs have models of the same names.
 """
@@ -16,6 +17,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from moe_l2_common.schemas import ollama, openai
+from moe_l2_proxy.generation_routes import GENERATION_ROUTES, GenerationRoute
 
 JsonSchema = dict[str, Any]
 
@@ -80,13 +82,18 @@ def domain_header(known: Iterable[str]) -> JsonSchema:
     }
 
 
-def generation(
-    api: str, summary: str, request: type[BaseModel], answer: type[BaseModel], stream_type: str, known: Iterable[str]
-) -> dict[str, Any]:
-    streamed = "one JSON object per server-sent event" if api == OPENAI else "one JSON object per line"
+_STREAMS = {
+    OPENAI: ("text/event-stream", "one JSON object per server-sent event"),
+    OLLAMA: ("application/x-ndjson", "one JSON object per line"),
+}
+
+
+def generation(route: GenerationRoute, known: Iterable[str]) -> dict[str, Any]:
+    api, request, answer = route.api, route.request, route.answer
+    stream_type, streamed = _STREAMS[api]
     return {
         "post": {
-            "summary": summary,
+            "summary": route.summary,
             "operationId": f"{api}_{request.__name__.removesuffix('RequestView').removesuffix('Request').lower()}",
             "parameters": [domain_header(known)],
             "requestBody": {"required": True, "content": json_content(ref(api, request))},
@@ -137,24 +144,8 @@ def build_document(known_domains: Iterable[str], version: str, api_keys: bool = 
             "the OpenAI requests that are not listed are passed to llama-server unchanged.",
         },
         "paths": {
-            "/v1/chat/completions": generation(
-                OPENAI,
-                "Chat completion",
-                openai.ChatCompletionRequestView,
-                openai.ChatCompletion,
-                "text/event-stream",
-                known,
-            ),
-            "/v1/completions": generation(
-                OPENAI, "Text completion", openai.CompletionRequestView, openai.Completion, "text/event-stream", known
-            ),
+            **{route.path: generation(route, known) for route in GENERATION_ROUTES},
             "/v1/models": read("openai_models", "List the served model", openai.ModelList),
-            "/api/chat": generation(
-                OLLAMA, "Chat", ollama.ChatRequest, ollama.ChatResponse, "application/x-ndjson", known
-            ),
-            "/api/generate": generation(
-                OLLAMA, "Generate", ollama.GenerateRequest, ollama.GenerateResponse, "application/x-ndjson", known
-            ),
             "/api/tags": read("ollama_tags", "List local models", ollama.ModelList),
             "/api/ps": read("ollama_ps", "List running models", ollama.ModelList),
             "/api/show": show,
