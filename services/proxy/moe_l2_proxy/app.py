@@ -21,6 +21,7 @@ from moe_l2_proxy.domain import DomainResolver
 from moe_l2_proxy.errors import install_error_handlers
 from moe_l2_proxy.gateway import Gateway, on_client_disconnect
 from moe_l2_proxy.hints import HintSender
+from moe_l2_proxy.http1_transport import Http1Transport
 from moe_l2_proxy.limits import BodyLimit
 from moe_l2_proxy.metrics import GatewayMetrics, RequestMetrics
 from moe_l2_proxy.predictor_pool import PredictorPool
@@ -28,6 +29,33 @@ from moe_l2_proxy.settings import ProxySettings
 from moe_l2_proxy.upstream import LlamaUpstream
 
 log = logging.getLogger("moe_l2_proxy")
+
+
+def llama_transport(settings: ProxySettings, metrics: GatewayMetrics) -> httpx.AsyncBaseTransport:
+    """The transport under the llama client: the only place that knows which one it is."""
+    limits = httpx.Limits(
+        max_connections=settings.llama_max_connections,
+        max_keepalive_connections=min(settings.llama_max_connections, 128),
+        keepalive_expiry=4.0,  # under llama-server's keep-alive timeout (5 s), so it never closes first
+    )
+    if settings.llama_transport == "httpx":
+        return httpx.AsyncHTTPTransport(limits=limits)
+    # the per-token relay path: httptools instead of httpcore/h11/anyio (see http1_transport)
+    return Http1Transport(limits, on_retry=lambda: metrics.upstream_errors.labels("llama", "retried").inc())
+
+
+def llama_client(settings: ProxySettings, metrics: GatewayMetrics) -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        base_url=settings.llama_url.rstrip("/"),
+        timeout=httpx.Timeout(
+            connect=settings.llama_connect_timeout_s,
+            read=settings.llama_read_timeout_s,
+            write=60.0,
+            # waiting for a free connection: only when more requests are in flight than the limit
+            pool=30.0,
+        ),
+        transport=llama_transport(settings, metrics),
+    )
 
 
 def predictor_client(settings: ProxySettings) -> httpx.AsyncClient:
@@ -51,7 +79,8 @@ def cache_client(settings: ProxySettings) -> httpx.AsyncClient:
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: ProxySettings = app.state.settings
     metrics: GatewayMetrics = app.state.metrics
-    llama = LlamaUpstream(settings, metrics)
+    llama_http = llama_client(settings, metrics)
+    llama = LlamaUpstream(settings, metrics, llama_http)
     predictors: PredictorPool | None = None
     predict_http: httpx.AsyncClient | None = None
     if settings.predictor_url_list and settings.predict_budget_ms > 0:
@@ -86,10 +115,9 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             await hints.stop()
         if predictors is not None:
             await predictors.stop()
-        for client in (predict_http, hint_http):
+        for client in (predict_http, hint_http, llama_http):
             if client is not None:
                 await client.aclose()
-        await llama.aclose()
 
 
 class GatewayApp(FastAPI):

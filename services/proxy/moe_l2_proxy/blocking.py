@@ -197,6 +197,7 @@ async def fold(upstream: httpx.Response) -> tuple[int, bytes]:
     """Reads llama's SSE stream to its end: (status, body) of the equivalent blocking answer."""
     folder = Folder()
     carry = b""
+    # the response's own byte stream, as in streaming.relay_raw: this loop also runs once per token
     async for chunk in upstream.stream:  # type: ignore[union-attr]
         lines = (carry + chunk).split(b"\n")
         carry = lines.pop()

@@ -7,6 +7,12 @@ and on a small machine the gateway's CPU is taken from llama. This transport kee
 (C, the parser uvicorn uses). Body pieces that arrived together are handed over together; nothing
 is held back waiting for more.
 
+Only httpx's transport interface is public (`handle_async_request`, `aclose`, and the constructor,
+which takes `httpx.Limits` as httpx's own transport does): the rest of the gateway talks to the
+`httpx.AsyncClient` around it, so going back to httpx's transport is one line (MOE_L2_LLAMA_TRANSPORT
+or the constructor in app.py). Failures are httpx's exception types, of the same family httpx's
+transport raises for the same fault (tests/proxy/test_transport_faults.py causes each for real).
+
 Scope: plain http:// to one trusted upstream (llama-server), HTTP/1.1, no proxies, no TLS.
 
 A pooled connection carries many clients' requests one after the other, so a byte read as the
@@ -35,6 +41,8 @@ import httpx
 # Pause reading from the socket while this much body is waiting for the consumer.
 _HIGH_WATER = 256 * 1024
 
+_DEFAULT_LIMITS = httpx.Limits(max_connections=512, max_keepalive_connections=128, keepalive_expiry=4.0)
+
 # Request headers this transport owns: it frames the body itself (the whole body, with its length),
 # keeps connections alive as it sees fit and never waits for 100 Continue, so a caller's say in
 # these would only mislead the upstream.
@@ -58,6 +66,7 @@ class _Connection(asyncio.Protocol):
         self.loop = loop
         self.transport: asyncio.Transport | None = None
         self.closed = False
+        self.lost: Exception | None = None  # why the connection ended, when the OS said (a reset)
         self.idle_since = 0.0
         # the read timeout: one timer re-armed lazily, not one created and cancelled per token
         self.deadline = 0.0
@@ -105,6 +114,7 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = exc
         if self.until_close and not self.complete:
             self.complete = True  # a response without a length ends with its connection
         self.closed = True
@@ -214,6 +224,9 @@ class _Connection(asyncio.Protocol):
 
 
 class _Body(httpx.AsyncByteStream):
+    """The response body as httpx's streaming interface: pieces as they arrived, and on close the
+    connection goes back to the pool or is closed (it never waits on the network)."""
+
     def __init__(
         self, pool: Http1Transport, origin: tuple[str, int], conn: _Connection, read_timeout: float | None
     ) -> None:
@@ -233,7 +246,7 @@ class _Body(httpx.AsyncByteStream):
             elif conn.error is not None:
                 raise conn.error
             elif conn.closed:
-                raise httpx.RemoteProtocolError("upstream closed the connection before the end of the body")
+                raise _lost(conn, "before the end of the body")
             else:
                 try:
                     await conn.wait(self.read_timeout)
@@ -243,39 +256,45 @@ class _Body(httpx.AsyncByteStream):
     async def aclose(self) -> None:
         if not self.released:
             self.released = True
-            self.pool.release(self.origin, self.conn)
+            self.pool._release(self.origin, self.conn)
+
+
+def _lost(conn: _Connection, when: str) -> httpx.TransportError:
+    """The error for a connection that ended too soon, in the family httpx's own transport uses: a
+    reset is a network error, an orderly close a protocol error (the response is incomplete)."""
+    if isinstance(conn.lost, OSError):
+        return httpx.ReadError(f"upstream connection lost {when}: {conn.lost}")
+    return httpx.RemoteProtocolError(f"upstream closed the connection {when}")
 
 
 class Http1Transport(httpx.AsyncBaseTransport):
-    def __init__(
-        self,
-        max_connections: int = 512,
-        max_keepalive: int = 128,
-        keepalive_expiry: float = 4.0,
-        on_retry: Callable[[], None] | None = None,
-    ) -> None:
-        self.max_keepalive = max_keepalive
-        self.keepalive_expiry = keepalive_expiry
-        self.idle: dict[tuple[str, int], list[_Connection]] = {}
-        self.slots = asyncio.Semaphore(max_connections)
+    """httpx's transport interface over the protocol above: `httpx.AsyncClient(transport=Http1Transport(
+    limits))` where httpx's default would be `httpx.AsyncHTTPTransport(limits=limits)`. Only the
+    interface is public; the pool is this module's own."""
+
+    def __init__(self, limits: httpx.Limits = _DEFAULT_LIMITS, on_retry: Callable[[], None] | None = None) -> None:
+        self._max_keepalive = _unbounded(limits.max_keepalive_connections)
+        self._keepalive_expiry = 0.0 if limits.keepalive_expiry is None else limits.keepalive_expiry
+        self._idle: dict[tuple[str, int], list[_Connection]] = {}
+        self._slots = asyncio.Semaphore(_unbounded(limits.max_connections))
         # called when a request is sent again because its reused idle connection was found closed
-        self.on_retry = on_retry
+        self._on_retry = on_retry
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        if request.url.scheme != "http":
-            raise httpx.UnsupportedProtocol("this transport speaks plain http:// only")
+        """Sends the whole request (head and body) and returns the response once its head is in; the
+        body streams (`response.aiter_raw()`), and closing the response releases the connection."""
+        url = request.url
+        if url.scheme != "http":
+            raise httpx.UnsupportedProtocol(f"this transport speaks plain http:// only, not {url.scheme}://")
         body = await request.aread()
-        origin = (request.url.host, request.url.port or 80)
-        head = _request_head(request.method, request.url.raw_path, request.headers.raw, len(body))
-        response = await self.exchange(origin, request.method, head + body, request.extensions.get("timeout", {}))
-        response.request = request
-        return response
+        origin = (url.host, url.port or 80)
+        message = _request_head(request.method, url.raw_path, request.headers.raw, len(body)) + body
+        timeouts: Mapping[str, float | None] = request.extensions.get("timeout", {})
+        return await self._exchange(origin, request.method, message, timeouts)
 
-    async def exchange(
+    async def _exchange(
         self, origin: tuple[str, int], method: str, message: bytes, timeouts: Mapping[str, float | None]
     ) -> httpx.Response:
-        """Sends one whole request message (head and body) and returns the response once its head is in;
-        the body streams. For callers that build the message themselves, without an httpx.Request."""
         await self._acquire_slot(timeouts.get("pool"))
         conn: _Connection | None = None
         head_only = method == "HEAD"
@@ -289,15 +308,15 @@ class Http1Transport(httpx.AsyncBaseTransport):
                     # the request: no byte of an answer came, so sending it again cannot run it twice.
                     # Its idle siblings were likely closed at the same moment.
                     conn.close()
-                    self.drop_idle()
-                    if self.on_retry is not None:
-                        self.on_retry()
+                    self._drop_idle()
+                    if self._on_retry is not None:
+                        self._on_retry()
                     conn = None
             if conn is None:
                 conn = await self._connect(origin, timeouts.get("connect"), head_only)
                 await self._send(conn, message, timeouts.get("read"), reused=False)
         except BaseException:
-            self.slots.release()
+            self._slots.release()
             if conn is not None:
                 conn.close()
             raise
@@ -318,27 +337,27 @@ class Http1Transport(httpx.AsyncBaseTransport):
             if conn.closed:
                 if reused and not conn.received:
                     raise _DeadIdleConnection
-                raise httpx.RemoteProtocolError("upstream closed the connection without a response")
+                raise _lost(conn, "without a response")
             try:
                 await conn.wait(read_timeout)
             except asyncio.TimeoutError:
                 raise httpx.ReadTimeout("upstream sent no response within the read timeout") from None
 
     async def _acquire_slot(self, timeout: float | None) -> None:
-        if not self.slots.locked():
-            await self.slots.acquire()
+        if not self._slots.locked():
+            await self._slots.acquire()
             return
         try:
-            await asyncio.wait_for(self.slots.acquire(), timeout)
+            await asyncio.wait_for(self._slots.acquire(), timeout)
         except asyncio.TimeoutError:
             raise httpx.PoolTimeout("no free upstream connection within the pool timeout") from None
 
     def _idle_connection(self, origin: tuple[str, int], head_only: bool) -> _Connection | None:
-        idle = self.idle.get(origin)
+        idle = self._idle.get(origin)
         now = time.monotonic()
         while idle:
             conn = idle.pop()
-            if not conn.closed and now - conn.idle_since < self.keepalive_expiry:
+            if not conn.closed and now - conn.idle_since < self._keepalive_expiry:
                 conn._reset(head_only)
                 return conn
             conn.close()
@@ -359,25 +378,29 @@ class Http1Transport(httpx.AsyncBaseTransport):
         conn.head_only = head_only
         return conn
 
-    def release(self, origin: tuple[str, int], conn: _Connection) -> None:
+    def _release(self, origin: tuple[str, int], conn: _Connection) -> None:
         """A response is done with its connection: keep it for the next request, or close it."""
-        self.slots.release()
-        idle = self.idle.setdefault(origin, [])
-        if conn.reusable() and len(idle) < self.max_keepalive:
+        self._slots.release()
+        idle = self._idle.setdefault(origin, [])
+        if conn.reusable() and len(idle) < self._max_keepalive:
             conn.idle_since = time.monotonic()
             idle.append(conn)
         else:
             conn.close()
 
-    def drop_idle(self) -> None:
+    def _drop_idle(self) -> None:
         """Closes every pooled connection: after one was found dead, its siblings likely are too."""
-        for idle in self.idle.values():
+        for idle in self._idle.values():
             for conn in idle:
                 conn.close()
-        self.idle.clear()
+        self._idle.clear()
 
     async def aclose(self) -> None:
-        self.drop_idle()
+        self._drop_idle()
+
+
+def _unbounded(limit: int | None) -> int:
+    return (1 << 30) if limit is None else limit
 
 
 def _request_head(method: str, target: bytes, headers: Iterable[tuple[bytes, bytes]], body_length: int) -> bytes:
@@ -393,14 +416,3 @@ def _request_head(method: str, target: bytes, headers: Iterable[tuple[bytes, byt
     if not has_length and (body_length or method in ("POST", "PUT", "PATCH")):
         lines.append(b"Content-Length: %d" % body_length)
     return b"\r\n".join(lines) + b"\r\n\r\n"
-
-
-def request_message(
-    method: str, host: str, port: int, target: str, headers: Mapping[str, str], body: bytes | None
-) -> bytes:
-    """A whole HTTP/1.1 request (head and body) for `exchange`; the header names and values must
-    already be valid (they come from a parsed client request or from the gateway itself)."""
-    fields = [(b"host", f"{host}:{port}".encode("latin-1"))]
-    fields += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items() if k.lower() != "host"]
-    body = body or b""
-    return _request_head(method, target.encode("latin-1"), fields, len(body)) + body

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -26,6 +28,11 @@ class ProxySettings(BaseSettings):
         default=600.0, gt=0, description="longest silence from llama (a long prompt evaluates before any token)"
     )
     llama_max_connections: int = Field(default=512, ge=1)
+    llama_transport: Literal["fast", "httpx"] = Field(
+        default="fast",
+        description="how the gateway speaks HTTP to llama: `fast` (httptools, http1_transport.py: less CPU per "
+        "relayed token) or `httpx` (httpx's default transport); the rest of the gateway is the same either way",
+    )
 
     predictor_urls: str = Field(
         default_factory=lambda: PREDICTOR.local_url(),

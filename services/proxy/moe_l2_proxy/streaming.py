@@ -131,8 +131,9 @@ async def relay_raw(
 ) -> AsyncIterator[bytes]:
     """llama's bytes as they arrive (seen by `observer` on the way); a transport failure midway ends
     the stream with `on_error`'s bytes."""
-    # The response's own byte stream, not aiter_raw(): one generator between the socket and the
-    # client instead of three, on a path taken once per token. RelayResponse closes the response.
+    # The response's own byte stream (httpx's AsyncByteStream, whichever the transport), not
+    # aiter_raw(): a generator less between the socket and the client, on a path taken once per token
+    # (aiter_raw adds ~0.4 µs a piece here). RelayResponse closes the response.
     try:
         if observer is None:
             async for chunk in upstream.stream:  # type: ignore[union-attr]
