@@ -353,3 +353,39 @@ def test_the_transport_never_sends_headers_it_owns():
     asyncio.run(stream_through(server, read_timeout=5.0, target="/v1/chat/completions", headers={**own, "a": "b"}))
     head = server.received.split(b"\r\n\r\n", 1)[0].split(b"\r\n")
     assert sorted(head[1:]) == [b"Content-Length: 2", b"Host: 127.0.0.1:%d" % server.port, b"a: b"]
+
+
+@pytest.mark.parametrize("transport", ["fast", "httpx"])
+def test_the_llama_client_keeps_no_cookies(transport):
+    """One client carries every user's requests: a cookie llama set on one answer is never sent again."""
+    heads: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                heads.append(await reader.readuntil(b"\r\n\r\n"))
+                cookie = b"Set-Cookie: session=user-one; Path=/\r\n" if len(heads) == 1 else b""
+                writer.write(b"HTTP/1.1 200 OK\r\n%sContent-Length: 2\r\n\r\n{}" % cookie)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            writer.close()
+
+    async def go():
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        settings = ProxySettings(
+            llama_url=f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", llama_transport=transport
+        )
+        metrics = GatewayMetrics()
+        client = llama_client(settings, metrics)
+        upstream = LlamaUpstream(settings, metrics, client)
+        try:
+            first = await upstream.send("GET", "/props", headers={})
+            assert first.headers["set-cookie"].startswith("session=")  # relayed as llama sent it
+            await upstream.send("GET", "/props", headers={})
+            await upstream.get_json("/v1/models")  # the client's own request building, too
+        finally:
+            await client.aclose()
+            server.close()
+
+    asyncio.run(go())
+    assert len(heads) == 3
+    assert not any(b"cookie:" in head.lower() for head in heads[1:])
