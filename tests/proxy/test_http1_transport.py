@@ -389,3 +389,28 @@ def test_the_llama_client_keeps_no_cookies(transport):
     asyncio.run(go())
     assert len(heads) == 3
     assert not any(b"cookie:" in head.lower() for head in heads[1:])
+
+
+@pytest.mark.parametrize(
+    ("limits", "connections"),
+    [
+        (httpx.Limits(keepalive_expiry=None), [["/1", "/2"]]),  # never expires: reused
+        (httpx.Limits(keepalive_expiry=0), [["/1"], ["/2"]]),  # expired at once
+        (httpx.Limits(max_keepalive_connections=0), [["/1"], ["/2"]]),  # none kept
+    ],
+    ids=["no-expiry", "expiry-0", "keep-none"],
+)
+def test_the_pool_follows_httpx_limits(limits, connections):
+    server = PlannedServer([[[sized(b"1")], [sized(b"2")]], [[sized(b"2")]]])
+
+    async def go():
+        port = await server.start()
+        try:
+            transport = Http1Transport(limits)
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", transport=transport) as c:
+                return [(await c.get(f"/{n}")).text for n in (1, 2)]
+        finally:
+            await server.stop()
+
+    assert asyncio.run(go()) == ["1", "2"]
+    assert server.seen == connections

@@ -274,7 +274,8 @@ class Http1Transport(httpx.AsyncBaseTransport):
 
     def __init__(self, limits: httpx.Limits = _DEFAULT_LIMITS, on_retry: Callable[[], None] | None = None) -> None:
         self._max_keepalive = _unbounded(limits.max_keepalive_connections)
-        self._keepalive_expiry = 0.0 if limits.keepalive_expiry is None else limits.keepalive_expiry
+        # None: kept until the upstream closes it, as httpx reads it
+        self._keepalive_expiry = float("inf") if limits.keepalive_expiry is None else limits.keepalive_expiry
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._slots = asyncio.Semaphore(_unbounded(limits.max_connections))
         # called when a request is sent again because its reused idle connection was found closed
