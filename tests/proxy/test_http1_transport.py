@@ -414,3 +414,25 @@ def test_the_pool_follows_httpx_limits(limits, connections):
 
     assert asyncio.run(go()) == ["1", "2"]
     assert server.seen == connections
+
+
+@pytest.mark.parametrize("transport", ["fast", "httpx"])
+def test_header_bytes_reach_llama_as_the_client_sent_them(transport):
+    """Starlette hands header values over decoded as latin-1: a UTF-8 value goes on byte for byte."""
+    server = ScriptedServer([(0, sized(b"{}"))])
+
+    async def go():
+        serving = asyncio.create_task(server.serve())
+        settings = ProxySettings(llama_url=f"http://127.0.0.1:{server.port}", llama_transport=transport)
+        metrics = GatewayMetrics()
+        client = llama_client(settings, metrics)
+        try:
+            sent = "café".encode().decode("latin-1")  # what request.headers holds for these bytes
+            await LlamaUpstream(settings, metrics, client).send("GET", "/props", headers={"x-title": sent})
+        finally:
+            await client.aclose()
+            serving.cancel()
+            server.sock.close()
+
+    asyncio.run(go())
+    assert "x-title: café".encode() in server.received

@@ -116,7 +116,10 @@ class LlamaUpstream:
             url = upstream_url(self.url, path)
         except httpx.InvalidURL as exc:  # a target uvicorn took but httpx will not send (e.g. over 64 KiB)
             raise GatewayError(400, f"the request target cannot be forwarded: {exc}", code="invalid_request") from exc
-        request = httpx.Request(method, url, headers=headers, content=content)
+        # The header bytes as the client sent them: Starlette decoded them as latin-1, and httpx would
+        # encode str values as ASCII, failing a request that carries a UTF-8 value.
+        raw = [(name.encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()]
+        request = httpx.Request(method, url, headers=raw, content=content)
         try:
             # No retry here: once llama may have started on a request, sending it again could run a
             # generation twice. The fast transport itself resends only what a dead idle connection never took.
