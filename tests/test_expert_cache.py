@@ -35,13 +35,13 @@ import pytest
 
 from moe_l2_cache.policy.profile import fit_profile
 from moe_l2_cache.policy.replay import DomainTables, read_access_log, replay_accesses
-from moe_l2_common.admin import ADMIN_TOKEN_HEADER
-from moe_l2_common.doctor import check_expert_cache
-from moe_l2_common.model_shapes import get_shape, sizes
-from moe_l2_common.route_trace import from_esft_npz, write_route_trace
-from moe_l2_common.schemas.llama import ExpertCacheProfile, ExpertCacheProfileResult, ExpertCacheShape, decode_f32
-from moe_l2_common.stats import OpsSettings, expert_cache_summary, parse_metrics, render_expert_cache
+from moe_l2_contracts.admin import ADMIN_TOKEN_HEADER
+from moe_l2_contracts.schemas.llama import ExpertCacheProfile, ExpertCacheProfileResult, ExpertCacheShape, decode_f32
+from moe_l2_gguf.model_shapes import get_shape, sizes
+from moe_l2_llama.route_trace import from_esft_npz, write_route_trace
 from moe_l2_llama.settings import LlamaSettings, device_env, llama_server_command, llama_server_env
+from moe_l2_ops.doctor import check_expert_cache
+from moe_l2_ops.stats import OpsSettings, expert_cache_summary, parse_metrics, render_expert_cache
 from tests.observability.test_observability import DASHBOARD, metric_names, needs_expert_cache, query_panels
 from tests.test_route_trace import ESFT_NPZ
 from tests.test_vulkan import DS_LAYERS, DS_VOCAB, PROMPTS, Model, assert_on_llvmpipe, greedy, greedy_one, serve

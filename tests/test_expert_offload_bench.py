@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from moe_l2_common.gguf_index import load_index
-from moe_l2_common.model_shapes import get_shape, write_shape_model
+from moe_l2_gguf.index import load_index
+from moe_l2_gguf.model_shapes import get_shape, write_shape_model
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPERT = 4_866_048  # one ds-v2-lite expert at Q4 (gate + up Q4_K, down Q4_0): 3 x 2048 x 1408 x 4.5 / 8

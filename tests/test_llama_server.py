@@ -16,11 +16,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from moe_l2_common.admin import ADMIN_TOKEN_HEADER
-from moe_l2_common.domains import DEFAULT_DOMAINS
-from moe_l2_common.supervisor import Supervisor, free_port
-from moe_l2_llama.service import llama_service_spec
+from moe_l2_contracts.admin import ADMIN_TOKEN_HEADER
+from moe_l2_contracts.domains import DEFAULT_DOMAINS
 from moe_l2_llama.settings import LlamaSettings
+from moe_l2_ops.llama_service import llama_service_spec
+from moe_l2_ops.supervisor import Supervisor, free_port
 from tests.metrics import sample_sum
 
 from .conftest import ADMIN_HEADERS, LlamaServer

@@ -9,9 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from moe_l2_common.model_shapes import get_shape, write_shape_model
-from moe_l2_common.supervisor import Supervisor, free_port
-from moe_l2_llama.service import llama_service_spec
+from moe_l2_gguf.model_shapes import get_shape, write_shape_model
 from moe_l2_llama.settings import (
     LlamaSettings,
     build_backend,
@@ -20,6 +18,8 @@ from moe_l2_llama.settings import (
     llama_server_command,
     llama_server_env,
 )
+from moe_l2_ops.llama_service import llama_service_spec
+from moe_l2_ops.supervisor import Supervisor, free_port
 
 SAPPHIRE_RAPIDS_FLAGS = "fpu vme avx512f avx512_vnni amx_bf16 avx512_fp16 amx_tile amx_int8"
 

@@ -36,7 +36,7 @@ import httpx
 import pytest
 import redis
 
-from moe_l2_common.supervisor import free_port, port_in_use
+from moe_l2_ops.supervisor import free_port, port_in_use
 from tests.conftest import ADMIN_HEADERS, ADMIN_TOKEN
 
 pytestmark = pytest.mark.llama
@@ -253,7 +253,7 @@ def test_every_service_killed_in_turn_under_traffic(llama_binary: Path, tmp_path
         }
     )
     up = subprocess.Popen(
-        [sys.executable, "-m", "moe_l2_common.cli", "up"],
+        [sys.executable, "-m", "moe_l2_ops.cli", "up"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -344,7 +344,7 @@ def test_every_service_killed_in_turn_under_traffic(llama_binary: Path, tmp_path
             assert entry["pid"] == service_pids(up.pid)[name]
         ops_env = {**env, "MOE_L2_OPS_TIMEOUT_S": "10"}
         stats = subprocess.run(
-            [sys.executable, "-m", "moe_l2_common.cli", "stats", "--json", "--sample", "0"],
+            [sys.executable, "-m", "moe_l2_ops.cli", "stats", "--json", "--sample", "0"],
             env=ops_env,
             capture_output=True,
             text=True,
@@ -354,7 +354,7 @@ def test_every_service_killed_in_turn_under_traffic(llama_binary: Path, tmp_path
         supervised = json.loads(stats.stdout)["supervisor"]
         assert {name: supervised[name]["restarts"] for name in KILL_ORDER} == dict.fromkeys(KILL_ORDER, 1)
         doctor = subprocess.run(
-            [sys.executable, "-m", "moe_l2_common.cli", "doctor", "--json"],
+            [sys.executable, "-m", "moe_l2_ops.cli", "doctor", "--json"],
             env=ops_env,
             capture_output=True,
             text=True,
@@ -382,7 +382,7 @@ def test_every_service_killed_in_turn_under_traffic(llama_binary: Path, tmp_path
             ), calls
         assert calls["status"] == ("fail" if open_calls else "pass"), calls
         wrong = subprocess.run(
-            [sys.executable, "-m", "moe_l2_common.cli", "doctor", "--json"],
+            [sys.executable, "-m", "moe_l2_ops.cli", "doctor", "--json"],
             env={**ops_env, "MOE_L2_ADMIN_TOKEN": "not-the-token"},
             capture_output=True,
             text=True,

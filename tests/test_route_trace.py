@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 
 from moe_l2_cache.policy.profile import transition_counts
-from moe_l2_common.model_shapes import get_shape, write_shape_model
-from moe_l2_common.route_trace import (
+from moe_l2_contracts.schemas.llama import LayerPairCounts
+from moe_l2_gguf.model_shapes import get_shape, write_shape_model
+from moe_l2_llama.route_trace import (
     ESFT_TASKS,
     RouteTrace,
     esft_sequence_tasks,
@@ -32,10 +33,9 @@ from moe_l2_common.route_trace import (
     read_route_trace,
     write_route_trace,
 )
-from moe_l2_common.schemas.llama import LayerPairCounts
-from moe_l2_common.supervisor import Supervisor, free_port
-from moe_l2_llama.service import llama_service_spec
 from moe_l2_llama.settings import LlamaSettings, llama_server_command, llama_server_env
+from moe_l2_ops.llama_service import llama_service_spec
+from moe_l2_ops.supervisor import Supervisor, free_port
 
 from .conftest import ADMIN_HEADERS
 

@@ -26,11 +26,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from moe_l2_common.model_shapes import get_shape, write_shape_model
-from moe_l2_common.supervisor import Supervisor, free_port
+from moe_l2_gguf.model_shapes import get_shape, write_shape_model
 from moe_l2_llama import build as build_mod
-from moe_l2_llama.service import llama_service_spec
 from moe_l2_llama.settings import LlamaSettings
+from moe_l2_ops.llama_service import llama_service_spec
+from moe_l2_ops.supervisor import Supervisor, free_port
 
 DS_LAYERS = 4  # layer 0 dense, MoE layers 1-3: --n-cpu-moe 2 splits the MoE layers 1 / 2
 DS_VOCAB = 8192
@@ -200,7 +200,7 @@ def test_vulkan_without_its_packages_is_one_clear_line(tmp_path: Path) -> None:
     env = {**os.environ, "PATH": str(_bin_without_glslc(tmp_path)), "MOE_L2_CACHE_DIR": str(tmp_path / "cache")}
     env.pop("VULKAN_SDK", None)
     result = subprocess.run(
-        [sys.executable, "-m", "moe_l2_common.cli", "build-llama", "--vulkan"],
+        [sys.executable, "-m", "moe_l2_ops.cli", "build-llama", "--vulkan"],
         capture_output=True,
         text=True,
         env=env,

@@ -13,10 +13,10 @@ from fastapi.testclient import TestClient
 
 from moe_l2_cache.app import create_app
 from moe_l2_cache.settings import CacheSettings
-from moe_l2_common.admin import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV, ADMIN_TOKEN_HEADER
-from moe_l2_common.domains import DEFAULT_DOMAINS, UNTAGGED
-from moe_l2_common.schemas.errors import ServiceError
-from moe_l2_common.supervisor import free_port
+from moe_l2_contracts.admin import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV, ADMIN_TOKEN_HEADER
+from moe_l2_contracts.domains import DEFAULT_DOMAINS, UNTAGGED
+from moe_l2_contracts.schemas.errors import ServiceError
+from moe_l2_ops.supervisor import free_port
 
 from ..conftest import ADMIN_HEADERS, ADMIN_TOKEN
 from .conftest import CacheManager, RedisServer

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from moe_l2_cache.collect import main
-from moe_l2_common.cli import main as cli_main
-from moe_l2_common.gguf_index import load_index
+from moe_l2_gguf.index import load_index
+from moe_l2_ops.cli import main as cli_main
 
 from ..conftest import LlamaServer
 from .conftest import CacheManager, RedisServer

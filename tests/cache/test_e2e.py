@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from moe_l2_common.domains import DEFAULT_DOMAINS
-from moe_l2_common.gguf_index import load_index
+from moe_l2_contracts.domains import DEFAULT_DOMAINS
+from moe_l2_gguf.index import load_index
 
 from ..conftest import ADMIN_HEADERS, LlamaServer
 from .conftest import CacheManager, RedisServer

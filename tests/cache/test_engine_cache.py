@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from moe_l2_cache.engine_cache import domain_prior
-from moe_l2_common.schemas.llama import ExpertCacheProfile, ExpertCacheShape
-from moe_l2_common.stats import parse_metrics
+from moe_l2_contracts.schemas.llama import ExpertCacheProfile, ExpertCacheShape
 from moe_l2_llama.settings import LlamaSettings, counts_transitions
+from moe_l2_ops.stats import parse_metrics
 from tests.test_expert_cache import EXPERT_BYTES, SHAPE, metric
 from tests.test_vulkan import PROMPTS, Model, greedy_one, serve
 from tests.test_vulkan import models as models  # the module's fixture

@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
-from moe_l2_common.gguf_index import load_index
-from moe_l2_common.schemas.errors import ServiceError
-from moe_l2_common.supervisor import free_port
+from moe_l2_contracts.schemas.errors import ServiceError
+from moe_l2_gguf.index import load_index
+from moe_l2_ops.supervisor import free_port
 
 from ..conftest import ADMIN_HEADERS, LlamaServer
 from .conftest import CacheManager, RedisServer

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from moe_l2_common.services import PROXY
-from moe_l2_common.services import SERVICES as MOE_L2_SERVICES
+from moe_l2_contracts.services import PROXY
+from moe_l2_contracts.services import SERVICES as MOE_L2_SERVICES
 from tests.compose.dockerfiles import image_is_pinned
 from tests.compose.loading import variables
 from tests.compose.shapes import as_argv, as_dict, flag_value, healthcheck_argv, mounts, published_ports
@@ -25,7 +25,7 @@ EXTRAS = {"proxy": "proxy", "predictor": "predictor", "cache-manager": "cache"}
 CUDA_ARCHITECTURES = {"61", "75", "86", "89", "90", "120"}
 # Redis has no /metrics of its own; every other long-running service is scraped.
 SCRAPED = SERVICES - {"redis"} - ONE_SHOT
-# The services that hold the admin token (moe_l2_common.admin), and where the volume puts it.
+# The services that hold the admin token (moe_l2_contracts.admin), and where the volume puts it.
 TOKEN_HOLDERS = {"proxy", "predictor", "cache-manager", "llama"}
 TOKEN_FILE = "/run/moe-l2/admin-token"
 SERVICE_UID = 10001  # every moe-l2 image's USER
@@ -79,8 +79,8 @@ def check_llama_command(doc: dict[str, Any], model_path: str = "/models/model.gg
 
 
 def check_domains(doc: dict[str, Any]) -> None:
-    """llama accepts exactly the domains the Python services accept (moe_l2_common.domains)."""
-    from moe_l2_common.domains import known_domains
+    """llama accepts exactly the domains the Python services accept (moe_l2_contracts.domains)."""
+    from moe_l2_domains.known import known_domains
 
     services = doc["services"]
     env = as_dict(services["llama"].get("environment"))

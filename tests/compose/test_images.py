@@ -105,7 +105,8 @@ def test_dockerignore() -> None:
     for needed in (
         "pyproject.toml",
         "README.md",
-        "shared/moe_l2_common/__init__.py",
+        "shared/moe_l2_contracts/__init__.py",
+        "ops/moe_l2_ops/__init__.py",
         "services/proxy/moe_l2_proxy/__init__.py",
         "services/predictor/moe_l2_predictor/__init__.py",
         "services/cache-manager/moe_l2_cache/__init__.py",

@@ -14,8 +14,8 @@ import httpx
 import ollama
 import openai
 
-from moe_l2_common.admin import ADMIN_TOKEN_HEADER
-from moe_l2_common.stats import parse_metrics
+from moe_l2_contracts.admin import ADMIN_TOKEN_HEADER
+from moe_l2_ops.stats import parse_metrics
 
 from .conftest import PREDICTORS, PROJECT, UP_SERVICES, Stack
 

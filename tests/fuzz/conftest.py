@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import schemathesis
 
-from moe_l2_common.supervisor import ServiceSpec, Supervisor, free_port, http_ok
+from moe_l2_ops.supervisor import ServiceSpec, Supervisor, free_port, http_ok
 from tests.conftest import LlamaServer
 
 REPORT_ENV = "MOE_L2_FUZZ_REPORT"

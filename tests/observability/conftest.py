@@ -17,8 +17,8 @@ import httpx
 import pytest
 import yaml
 
-from moe_l2_common.stack import StackSettings, python_service, resolve_model, stack_admin_token, stack_services
-from moe_l2_common.supervisor import RunningService, ServiceSpec, Supervisor, free_port
+from moe_l2_ops.stack import StackSettings, python_service, resolve_model, stack_admin_token, stack_services
+from moe_l2_ops.supervisor import RunningService, ServiceSpec, Supervisor, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS_YML = ROOT / "services" / "prometheus" / "prometheus.yml"

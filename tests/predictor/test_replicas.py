@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from moe_l2_common.supervisor import RunningService, ServiceSpec, Supervisor, free_port, http_ok
+from moe_l2_ops.supervisor import RunningService, ServiceSpec, Supervisor, free_port, http_ok
 from tests.metrics import sample_sum
 from tests.predictor.conftest import HELDOUT
 

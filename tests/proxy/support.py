@@ -14,9 +14,9 @@ from pathlib import Path
 
 import httpx
 
-from moe_l2_common.supervisor import ServiceSpec, Supervisor, http_ok
-from moe_l2_llama.service import llama_service_spec
 from moe_l2_llama.settings import LlamaSettings
+from moe_l2_ops.llama_service import llama_service_spec
+from moe_l2_ops.supervisor import ServiceSpec, Supervisor, http_ok
 from tests.metrics import sample_sum
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_l2_common.supervisor import free_port
+from moe_l2_ops.supervisor import free_port
 from tests.proxy.support import GatewayProc, chat_body
 
 pytestmark = pytest.mark.llama

@@ -9,9 +9,9 @@ import httpx
 import pytest
 import yaml
 
-from moe_l2_common.domains import DEFAULT_DOMAINS
-from moe_l2_common.keywords import KeywordClassifier
-from moe_l2_common.supervisor import ServiceSpec, http_ok
+from moe_l2_contracts.domains import DEFAULT_DOMAINS
+from moe_l2_domains.keywords import KeywordClassifier
+from moe_l2_ops.supervisor import ServiceSpec, http_ok
 from tests.conftest import LlamaServer
 from tests.proxy.support import chat_body, llama_spec
 

@@ -115,6 +115,6 @@ def test_hung_cache_manager_drops_hints_without_blocking(start_gateway, llama32,
 
 
 def _closed_port() -> int:
-    from moe_l2_common.supervisor import free_port
+    from moe_l2_ops.supervisor import free_port
 
     return free_port()

@@ -10,7 +10,7 @@ import ollama
 import openai
 import pytest
 
-from moe_l2_common.domains import known_domains
+from moe_l2_domains.known import known_domains
 from moe_l2_proxy.errors import client_mistake
 from tests.fuzz.schema_refs import request_validator, unresolved
 from tests.proxy.support import chat_body, metric_value
@@ -147,7 +147,7 @@ def test_prompts_are_not_logged(start_gateway, llama32):
 
 
 def _free() -> int:
-    from moe_l2_common.supervisor import free_port
+    from moe_l2_ops.supervisor import free_port
 
     return free_port()
 

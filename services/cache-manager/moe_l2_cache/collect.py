@@ -20,9 +20,9 @@ from pathlib import Path
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from moe_l2_common.admin import ADMIN_TOKEN_HEADER, AdminTokenError, configured_token
-from moe_l2_common.domains import known_domains
-from moe_l2_common.services import CACHE_MANAGER, LLAMA
+from moe_l2_contracts.admin import ADMIN_TOKEN_HEADER, AdminTokenError, configured_token
+from moe_l2_contracts.services import CACHE_MANAGER, LLAMA
+from moe_l2_domains.known import known_domains
 
 
 class PromptLine(BaseModel):

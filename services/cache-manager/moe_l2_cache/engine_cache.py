@@ -37,8 +37,8 @@ from redis.exceptions import RedisError
 
 from moe_l2_cache.flywheel import Flywheel
 from moe_l2_cache.transitions import cache_transitions
-from moe_l2_common.domains import UNTAGGED
-from moe_l2_common.schemas.llama import ExpertCacheProfile, ExpertCacheShape
+from moe_l2_contracts.domains import UNTAGGED
+from moe_l2_contracts.schemas.llama import ExpertCacheProfile, ExpertCacheShape
 
 log = logging.getLogger("moe_l2_cache.engine_cache")
 

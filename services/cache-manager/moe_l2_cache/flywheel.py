@@ -34,13 +34,13 @@ from redis.exceptions import RedisError, ResponseError
 from moe_l2_cache.buffer import Batch, Cell, CountBuffer, PairCell
 from moe_l2_cache.hotset import select_hot_set, sum_tables
 from moe_l2_cache.keyspace import audit, domain_problem, is_wrong_type
+from moe_l2_cache.redis_keys import GLOBAL_DOMAIN, RedisKeys
 from moe_l2_cache.residency import ExpertPool
 from moe_l2_cache.skips import SkipCounter
 from moe_l2_cache.transitions import field_name, pair_cells, pair_layers, parse_field
-from moe_l2_common.gguf_index import ExpertIndex
-from moe_l2_common.redis_keys import GLOBAL_DOMAIN, RedisKeys
-from moe_l2_common.schemas.cache import FlywheelStats, HotSetResponse, PullResponse
-from moe_l2_common.schemas.llama import RoutingSnapshot
+from moe_l2_contracts.schemas.cache import FlywheelStats, HotSetResponse, PullResponse
+from moe_l2_contracts.schemas.llama import RoutingSnapshot
+from moe_l2_gguf.index import ExpertIndex
 
 log = logging.getLogger(__name__)
 

@@ -7,9 +7,10 @@ from pathlib import Path
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from moe_l2_common.admin import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV, configured_token
-from moe_l2_common.domains import UNTAGGED, known_domains, split_domains
-from moe_l2_common.services import CACHE_MANAGER, LLAMA
+from moe_l2_contracts.admin import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV, configured_token
+from moe_l2_contracts.domains import UNTAGGED, split_domains
+from moe_l2_contracts.services import CACHE_MANAGER, LLAMA
+from moe_l2_domains.known import known_domains
 
 
 class CacheSettings(BaseSettings):

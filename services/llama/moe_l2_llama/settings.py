@@ -13,9 +13,9 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from moe_l2_common.admin import configured_token
-from moe_l2_common.domains import known_domains
-from moe_l2_common.services import LLAMA
+from moe_l2_contracts.admin import configured_token
+from moe_l2_contracts.services import LLAMA
+from moe_l2_domains.known import known_domains
 
 
 class LlamaSettings(BaseSettings):
@@ -44,7 +44,7 @@ class LlamaSettings(BaseSettings):
     model_alias: str = Field(
         default="", description="the model name clients see (default: the GGUF's general.name, else the file stem)"
     )
-    admin_token: str = Field(default="", description="required by llama's admin calls (see moe_l2_common.admin)")
+    admin_token: str = Field(default="", description="required by llama's admin calls (see moe_l2_contracts.admin)")
     expert_cache_bytes: str = Field(
         default="",
         pattern=r"^(|\d+([KkMmGgTt]([Ii]?[Bb])?|[Bb])?|\d+(\.\d+)?%)$",

@@ -8,7 +8,7 @@ from pathlib import Path
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from moe_l2_common.services import PREDICTOR
+from moe_l2_contracts.services import PREDICTOR
 
 TIERS = ("keyword", "tfidf", "semantic")
 

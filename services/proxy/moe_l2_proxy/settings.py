@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from moe_l2_common.services import CACHE_MANAGER, LLAMA, PREDICTOR, PROXY
+from moe_l2_contracts.services import CACHE_MANAGER, LLAMA, PREDICTOR, PROXY
 
 
 def split_list(value: str) -> list[str]:

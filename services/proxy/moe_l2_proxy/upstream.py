@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import httpx
 
-from moe_l2_common.admin import ADMIN_TOKEN_HEADER
+from moe_l2_contracts.admin import ADMIN_TOKEN_HEADER
 from moe_l2_proxy.errors import GatewayError
 from moe_l2_proxy.http1_transport import Http1Transport, request_message
 from moe_l2_proxy.metrics import GatewayMetrics

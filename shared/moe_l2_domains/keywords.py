@@ -23,8 +23,8 @@ import unicodedata
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from moe_l2_common.lang import detect_lang
-from moe_l2_common.taxonomy import Taxonomy, load_configured_taxonomy
+from moe_l2_domains.lang import detect_lang
+from moe_l2_domains.taxonomy import Taxonomy, load_configured_taxonomy
 
 # What is scanned of one text: long inputs keep their head (the instruction, usually) and tail
 # (the question after a pasted document).

@@ -12,9 +12,7 @@ and is refused or skipped by every service behind it.
 
 from __future__ import annotations
 
-import os
 import re
-from collections.abc import Iterable
 
 DEFAULT_DOMAINS: tuple[str, ...] = (
     "codegen",
@@ -52,20 +50,3 @@ def is_valid_tag(tag: str) -> bool:
 def split_domains(value: str) -> tuple[str, ...]:
     """A comma-separated list of domain names, blanks dropped."""
     return tuple(item.strip() for item in value.split(",") if item.strip())
-
-
-def known_domains(extra: Iterable[str] | None = None) -> frozenset[str]:
-    """The domains requests may be tagged with: the configured taxonomy's names plus `extra`
-    (default: MOE_L2_EXTRA_DOMAINS). Invalid or reserved names in `extra` raise ValueError."""
-    from moe_l2_common.taxonomy import load_configured_taxonomy
-
-    if extra is None:
-        extra = split_domains(os.environ.get(EXTRA_DOMAINS_ENV, ""))
-    extra = tuple(extra)
-    bad = [name for name in extra if not is_valid_tag(name)]
-    if bad:
-        raise ValueError(
-            f"{EXTRA_DOMAINS_ENV}: {', '.join(repr(b) for b in bad)} not valid domain names "
-            f"(1 to 64 characters of [A-Za-z0-9_.:-], not starting with '{RESERVED_PREFIX}')"
-        )
-    return frozenset(load_configured_taxonomy().names) | frozenset(extra)

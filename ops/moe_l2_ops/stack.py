@@ -1,11 +1,11 @@
 """`moe-l2 up`: the whole stack as local processes, configured like compose.yaml.
 
 The list of services lives in `stack_services`; a new service adds one builder there. A service
-that dies is restarted (moe_l2_common.supervisor); Redis, llama and the gateway are required: when
+that dies is restarted (moe_l2_ops.supervisor); Redis, llama and the gateway are required: when
 one of them is in a crash loop the stack stops with an error, while without the predictor or the
 cache-manager it keeps serving, degraded (keyword domains, no hot sets).
 
-The admin token (moe_l2_common.admin) is MOE_L2_ADMIN_TOKEN (or the file MOE_L2_ADMIN_TOKEN_FILE
+The admin token (moe_l2_contracts.admin) is MOE_L2_ADMIN_TOKEN (or the file MOE_L2_ADMIN_TOKEN_FILE
 names) when set, else `<state dir>/admin-token`, created at the first start; every service gets it.
 """
 
@@ -22,15 +22,15 @@ from types import FrameType
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from moe_l2_common.admin import (
+from moe_l2_contracts.admin import (
     ADMIN_TOKEN_ENV,
     ADMIN_TOKEN_FILENAME,
     AdminTokenError,
     configured_token,
     ensure_token_file,
 )
-from moe_l2_common.services import CACHE_MANAGER, LLAMA, PROXY
-from moe_l2_common.supervisor import (
+from moe_l2_contracts.services import CACHE_MANAGER, LLAMA, PROXY
+from moe_l2_ops.supervisor import (
     STATE_FILENAME,
     RestartPolicy,
     ServiceSpec,
@@ -59,7 +59,7 @@ class StackSettings(BaseSettings):
     proxy_port: int = Field(default=PROXY.port, ge=1, le=65535)
     demo_seed: int = 0
     start_timeout_s: float = Field(default=180.0, gt=0)
-    # restarts of a service that dies (see moe_l2_common.supervisor.RestartPolicy)
+    # restarts of a service that dies (see moe_l2_ops.supervisor.RestartPolicy)
     restart_delay_s: float = Field(default=0.5, ge=0, description="delay of the first restart; doubles each time")
     restart_max_delay_s: float = Field(default=30.0, ge=0)
     restart_reset_s: float = Field(default=60.0, ge=0, description="healthy this long: the backoff starts over")
@@ -128,8 +128,8 @@ def redis_service(settings: StackSettings) -> ServiceSpec:
 
 
 def llama_service(settings: StackSettings, model: Path, binary: Path, admin_token: str = "") -> ServiceSpec:
-    from moe_l2_llama.service import llama_service_spec
     from moe_l2_llama.settings import LlamaSettings
+    from moe_l2_ops.llama_service import llama_service_spec
 
     llama = LlamaSettings(admin_token=admin_token) if admin_token else LlamaSettings()
     return llama_service_spec("llama", binary, model, llama, url_path="/v1", start_timeout_s=settings.start_timeout_s)
@@ -141,7 +141,7 @@ def resolve_model(settings: StackSettings, model: Path | None) -> Path:
         if not model.is_file():
             raise SupervisorError(f"model {model} does not exist")
         return model
-    from moe_l2_common.demo_model import make_demo_model
+    from moe_l2_gguf.demo_model import make_demo_model
 
     demo = settings.state_dir / "models" / f"moe-l2-demo-seed{settings.demo_seed}.gguf"
     if not demo.is_file():
@@ -189,8 +189,8 @@ def proxy_service(settings: StackSettings, predictor_urls: str) -> ServiceSpec:
 def stack_services(settings: StackSettings, model: Path, binary: Path, admin_token: str = "") -> list[ServiceSpec]:
     """The services of the local stack, in start order; the gateway last, once its upstreams answer.
     Each gets `admin_token` (MOE_L2_ADMIN_TOKEN; llama's LLAMA_MOE_ADMIN_TOKEN) when one is given."""
-    # imported here: moe_l2_predictor.stack builds on this module's python_service()
-    from moe_l2_predictor.stack import predictor_services, predictor_urls
+    # imported here: moe_l2_ops.predictor_replicas builds on this module's python_service()
+    from moe_l2_ops.predictor_replicas import predictor_services, predictor_urls
 
     services = [
         redis_service(settings),
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     settings = StackSettings()
 
-    from moe_l2_common.demo_model import DemoModelError
+    from moe_l2_gguf.demo_model import DemoModelError
     from moe_l2_llama.build import BuildError
     from moe_l2_llama.settings import LlamaSettings, llama_server_binary
 

@@ -22,7 +22,7 @@ from typing import Literal
 
 import httpx
 
-from moe_l2_common.stats import OpsSettings, format_bytes
+from moe_l2_ops.stats import OpsSettings, format_bytes
 
 Status = Literal["pass", "warn", "fail"]
 GiB = 1 << 30
@@ -120,7 +120,7 @@ def _model_path(settings: OpsSettings, given: Path | None) -> tuple[Path | None,
             return Path(stats["model_path"]), "the running cache-manager"
     except (httpx.HTTPError, ValueError):
         pass
-    from moe_l2_common.stack import StackSettings
+    from moe_l2_ops.stack import StackSettings
 
     stack = StackSettings()
     demo = stack.state_dir / "models" / f"moe-l2-demo-seed{stack.demo_seed}.gguf"
@@ -128,7 +128,7 @@ def _model_path(settings: OpsSettings, given: Path | None) -> tuple[Path | None,
 
 
 def check_model(settings: OpsSettings, given: Path | None) -> Check:
-    from moe_l2_common.gguf_index import DenseModelError, GGUFIndexError, load_index
+    from moe_l2_gguf.index import DenseModelError, GGUFIndexError, load_index
 
     path, origin = _model_path(settings, given)
     if path is None:
@@ -151,7 +151,7 @@ def check_model(settings: OpsSettings, given: Path | None) -> Check:
 
 
 def check_gpu() -> Check:
-    from moe_l2_common.gpu import nvml_report
+    from moe_l2_cache.gpu import nvml_report
 
     report = nvml_report()
     if report is None:
@@ -209,7 +209,7 @@ def check_shm() -> Check:
 
 
 def check_disk() -> Check:
-    from moe_l2_common.stack import StackSettings
+    from moe_l2_ops.stack import StackSettings
 
     folder = StackSettings().state_dir
     while not folder.exists() and folder != folder.parent:
@@ -253,7 +253,7 @@ def check_services(settings: OpsSettings) -> list[Check]:
 def check_expert_cache(settings: OpsSettings) -> Check | None:
     """llama's expert cache (GET /moe/cache): its size, the layers it holds and the domains whose
     priors it has; None when llama does not answer (its health check says why)."""
-    from moe_l2_common.schemas.llama import ExpertCacheShape
+    from moe_l2_contracts.schemas.llama import ExpertCacheShape
 
     try:
         resp = httpx.get(f"{settings.llama_url.rstrip('/')}/moe/cache", timeout=settings.ops_timeout_s)
@@ -280,8 +280,8 @@ def check_expert_cache(settings: OpsSettings) -> Check | None:
 
 def check_supervisor() -> Check | None:
     """The restarts of `moe-l2 up`'s services, from its state file; None where it is not in use."""
-    from moe_l2_common.stack import StackSettings
-    from moe_l2_common.supervisor import read_state
+    from moe_l2_ops.stack import StackSettings
+    from moe_l2_ops.supervisor import read_state
 
     path = StackSettings().state_file
     state = read_state(path)
@@ -314,8 +314,8 @@ def check_supervisor() -> Check | None:
 
 def find_admin_token() -> tuple[str, Path | None, str]:
     """(token, the file it is read from or None, where it came from); ("", None, "") if there is none."""
-    from moe_l2_common.admin import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV, read_token_file
-    from moe_l2_common.stack import StackSettings
+    from moe_l2_contracts.admin import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV, read_token_file
+    from moe_l2_ops.stack import StackSettings
 
     if token := os.environ.get(ADMIN_TOKEN_ENV, "").strip():
         return token, None, ADMIN_TOKEN_ENV
@@ -329,8 +329,8 @@ def find_admin_token() -> tuple[str, Path | None, str]:
 
 
 def check_admin_token() -> Check:
-    from moe_l2_common.admin import AdminTokenError
-    from moe_l2_common.stack import StackSettings
+    from moe_l2_contracts.admin import AdminTokenError
+    from moe_l2_ops.stack import StackSettings
 
     try:
         token, path, origin = find_admin_token()
@@ -362,7 +362,7 @@ ADMIN_PROBES = (
 
 def check_admin_calls(settings: OpsSettings) -> Check:
     """Each admin call is refused (401) without the token and accepted with it."""
-    from moe_l2_common.admin import ADMIN_TOKEN_HEADER, AdminTokenError
+    from moe_l2_contracts.admin import ADMIN_TOKEN_HEADER, AdminTokenError
 
     try:
         token = find_admin_token()[0]

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from moe_l2_common.demo_model import (
+from moe_l2_gguf.demo_model import (
     CHAT_TEMPLATE,
     DOMAIN_WORDS,
     NEUTRAL_WORDS,

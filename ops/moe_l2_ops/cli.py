@@ -11,22 +11,22 @@ import sys
 
 # name -> (module with a `main(argv) -> int`, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "up": ("moe_l2_common.stack", "start the whole stack as local processes, restarting any that dies"),
+    "up": ("moe_l2_ops.stack", "start the whole stack as local processes, restarting any that dies"),
     "build-llama": ("moe_l2_llama.build", "build the patched llama-server (cached)"),
-    "make-demo-model": ("moe_l2_common.demo_model", "write a small MoE GGUF with a planted router"),
+    "make-demo-model": ("moe_l2_gguf.demo_model", "write a small MoE GGUF with a planted router"),
     "predict": ("moe_l2_predictor.predict_cli", "predict the domain of a prompt (in-process, or --url a predictor)"),
     "train-predictor": (
         "moe_l2_predictor.train_cli",
         "fit the predictor's tiers (+ --data labeled.jsonl), report accuracy",
     ),
-    "make-route-trace": ("moe_l2_common.route_trace", "convert recorded routing (ESFT npz) into a trace llama replays"),
-    "index": ("moe_l2_common.gguf_index", "index a GGUF's routed experts: layers, experts, bytes (--json)"),
+    "make-route-trace": ("moe_l2_llama.route_trace", "convert recorded routing (ESFT npz) into a trace llama replays"),
+    "index": ("moe_l2_gguf.index", "index a GGUF's routed experts: layers, experts, bytes (--json)"),
     "stats": (
-        "moe_l2_common.stats",
+        "moe_l2_ops.stats",
         "figures of the running services: requests, domains, hit rate, pool, restarts (--watch)",
     ),
     "doctor": (
-        "moe_l2_common.doctor",
+        "moe_l2_ops.doctor",
         "pass/warn/fail checks: binary, model, GPU, memlock, Redis, services, restarts, admin token",
     ),
     "collect": ("moe_l2_cache.collect", "run domain-tagged prompts (JSONL) through llama to seed the routing tables"),
@@ -47,9 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         print(usage())
         return 0
     if argv[0] in ("-V", "--version"):
-        from moe_l2_common import __version__
+        from importlib.metadata import version
 
-        print(f"moe-l2 {__version__}")
+        print(f"moe-l2 {version('moe-l2')}")
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:

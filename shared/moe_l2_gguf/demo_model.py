@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from moe_l2_common.domains import DEFAULT_DOMAINS
+from moe_l2_contracts.domains import DEFAULT_DOMAINS
 
 MODEL_NAME = "moe-l2-demo"
 SPACE = "\u2581"  # SentencePiece's stand-in for a space
@@ -547,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.shape is not None:
-        from moe_l2_common.model_shapes import run_cli
+        from moe_l2_gguf.model_shapes import run_cli
 
         return run_cli(
             args.path, args.shape, layers=args.layers, vocab=args.vocab, expert_type=args.expert_type, seed=args.seed

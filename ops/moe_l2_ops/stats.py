@@ -4,7 +4,7 @@ Requests, domain mix, expert hot-set hit rate, pool residency against its budget
 and hot-set sizes, the expert cache's hit rate and host→device bytes per token, tokens/s. Every
 figure comes from the same Prometheus series the dashboard shows, so the terminal and Grafana never
 disagree. Under `moe-l2 up`, the restarts of each service come from the supervisor's state file
-(moe_l2_common.supervisor).
+(moe_l2_ops.supervisor).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from moe_l2_common.services import CACHE_MANAGER, LLAMA, PREDICTOR, PROXY
+from moe_l2_contracts.services import CACHE_MANAGER, LLAMA, PREDICTOR, PROXY
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]  # sample name -> [(labels, value)]
 # The gateway's own probes and figures are not traffic.
@@ -248,8 +248,8 @@ def supervisor_summary(state: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def read_supervisor() -> dict[str, Any] | None:
-    from moe_l2_common.stack import StackSettings
-    from moe_l2_common.supervisor import read_state
+    from moe_l2_ops.stack import StackSettings
+    from moe_l2_ops.supervisor import read_state
 
     return supervisor_summary(read_state(StackSettings().state_file))
 

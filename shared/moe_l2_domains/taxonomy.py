@@ -186,7 +186,7 @@ def load_taxonomy(path: str | Path) -> Taxonomy:
 @lru_cache(maxsize=1)
 def load_default_taxonomy() -> Taxonomy:
     """The taxonomy shipped with moe-l2 (read once per process; it is immutable)."""
-    with resources.as_file(resources.files("moe_l2_common") / "data" / "taxonomy.yaml") as path:
+    with resources.as_file(resources.files("moe_l2_domains") / "data" / "taxonomy.yaml") as path:
         return load_taxonomy(path)
 
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import os
 
-from moe_l2_common.services import PREDICTOR
-from moe_l2_common.stack import python_service
-from moe_l2_common.supervisor import ServiceSpec
+from moe_l2_contracts.services import PREDICTOR
+from moe_l2_ops.stack import python_service
+from moe_l2_ops.supervisor import ServiceSpec
 
 DEFAULT_PORT = PREDICTOR.port
 PORT_STEP = 100

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moe_l2_common.services import LLAMA
-from moe_l2_common.supervisor import ServiceSpec, http_ok
+from moe_l2_contracts.services import LLAMA
 from moe_l2_llama.settings import LlamaSettings, device_env, llama_server_command, llama_server_env
+from moe_l2_ops.supervisor import ServiceSpec, http_ok
 
 
 def llama_service_spec(

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from moe_l2_common.schemas.predict import ChatMessage
+from moe_l2_contracts.schemas.predict import ChatMessage
 
 
 class ErrorDetail(BaseModel):

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moe_l2_common.schemas.cache import IndexLayer, IndexSummary, IndexTensor
+from moe_l2_contracts.schemas.cache import IndexLayer, IndexSummary, IndexTensor
 
 # blk.<layer>.ffn_<kind>_exps.<part>: the routed-expert tensors llama.cpp knows (weight, bias, scales).
 _EXPERT_TENSOR = re.compile(r"^blk\.(?P<layer>\d+)\.ffn_(?P<kind>gate_up|gate|up|down)_exps\.(?P<part>[A-Za-z0-9_]+)$")
