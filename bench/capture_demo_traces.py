@@ -141,9 +141,9 @@ def expert_bytes(model: Path) -> int:
 def start_server(model: Path, log_dir: Path, admin_token: str) -> tuple[Supervisor, str]:
     # the pull with reset=1 is an admin call: this private server gets a token of its own
     settings = LlamaSettings(
-        llama_port=free_port(), parallel=1, ctx_size=2048, telemetry=True, threads=2, admin_token=admin_token
+        port=free_port(), parallel=1, ctx_size=2048, telemetry=True, threads=2, admin_token=admin_token
     )
-    base = f"http://{settings.llama_host}:{settings.llama_port}"
+    base = f"http://{settings.host}:{settings.port}"
     supervisor = Supervisor(log_dir)
     binary = llama_server_binary(settings)
     spec = ServiceSpec(

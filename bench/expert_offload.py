@@ -404,7 +404,7 @@ def start_server(
 ) -> Server:
     extra, env, n, min_batch = server_plan(config, n_cpu_moe, args)
     settings = LlamaSettings(
-        llama_port=free_port(),
+        port=free_port(),
         parallel=1,
         ctx_size=args.ctx,
         threads=args.threads,
@@ -412,7 +412,7 @@ def start_server(
         admin_token=token,
         gpu_layers=ALL_LAYERS,
         n_cpu_moe=n,
-        llama_extra_args=" ".join(extra),
+        extra_args=" ".join(extra),
         expert_cache_bytes=str(getattr(args, "e_bytes", 0) or device_expert_bytes) if config.key == "e" else "",
     )
     if "cpu_repack" in LlamaSettings.model_fields:  # the settings decide --no-repack themselves

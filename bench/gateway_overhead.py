@@ -68,8 +68,8 @@ class Sample:
 
 
 def start_llama(supervisor: Supervisor, binary: Path, model: Path, threads: int) -> RunningService:
-    settings = LlamaSettings(llama_port=free_port(), parallel=32, ctx_size=32 * 1024, telemetry=True, threads=threads)
-    url = f"http://127.0.0.1:{settings.llama_port}"
+    settings = LlamaSettings(port=free_port(), parallel=32, ctx_size=32 * 1024, telemetry=True, threads=threads)
+    url = f"http://127.0.0.1:{settings.port}"
     return supervisor.start(
         ServiceSpec(
             name="bench-llama",

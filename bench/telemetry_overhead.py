@@ -147,7 +147,7 @@ def start(
     pin: bool,
 ) -> Server:
     settings = LlamaSettings(
-        llama_port=free_port(), parallel=1, ctx_size=2048, telemetry=telemetry, threads=threads, admin_token=token
+        port=free_port(), parallel=1, ctx_size=2048, telemetry=telemetry, threads=threads, admin_token=token
     )
     spec = llama_service_spec(f"{model.stem}-{label}", binary, model, settings)
     if pin:

@@ -66,10 +66,8 @@ def start_llama(
     clients: list[httpx.Client] = []
 
     def start(name: str, *, telemetry: bool = True, parallel: int = 4, ctx_size: int = 4096) -> LlamaServer:
-        settings = LlamaSettings(
-            llama_port=free_port(), parallel=parallel, ctx_size=ctx_size, telemetry=telemetry, threads=2
-        )
-        base = f"http://{settings.llama_host}:{settings.llama_port}"
+        settings = LlamaSettings(port=free_port(), parallel=parallel, ctx_size=ctx_size, telemetry=telemetry, threads=2)
+        base = f"http://{settings.host}:{settings.port}"
         running = supervisor.start(llama_service_spec(name, llama_binary, demo_model, settings))
         client = httpx.Client(base_url=base, timeout=120)
         clients.append(client)

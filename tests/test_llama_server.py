@@ -439,7 +439,7 @@ def start_custom(
 
     def start(name: str, *, env: dict[str, str] | None = None, extra_args: str = "") -> LlamaServer:
         settings = LlamaSettings(
-            llama_port=free_port(), parallel=2, ctx_size=2048, telemetry=True, threads=2, llama_extra_args=extra_args
+            port=free_port(), parallel=2, ctx_size=2048, telemetry=True, threads=2, extra_args=extra_args
         )
         spec = llama_service_spec(name, llama_binary, demo_model, settings)
         running = supervisor.start(dataclasses.replace(spec, env={**spec.env, **(env or {})}))

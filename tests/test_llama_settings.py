@@ -111,11 +111,11 @@ def test_quantized_shape_serves_with_default_settings(
 ) -> None:
     # On an AMX CPU this is the case that crashed at warm-up before the service added --no-repack
     # (GGML_ASSERT(*cur_backend_id != -1) for deepseek2); elsewhere it is a plain Q4 model.
-    settings = LlamaSettings(llama_port=free_port(), parallel=1, ctx_size=512, threads=2)
+    settings = LlamaSettings(port=free_port(), parallel=1, ctx_size=512, threads=2)
     supervisor = Supervisor(tmp_path)
     try:
         supervisor.start(llama_service_spec("llama-ds", llama_binary, small_ds_v2_lite, settings))
-        base = f"http://{settings.llama_host}:{settings.llama_port}"
+        base = f"http://{settings.host}:{settings.port}"
         resp = httpx.post(
             f"{base}/completion",
             json={"prompt": "the capital of france is", "n_predict": 4, "temperature": 0, "ignore_eos": True},

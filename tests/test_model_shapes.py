@@ -232,12 +232,12 @@ def test_llama_server_generates_and_routes(
     # --no-repack: the native CPU build segfaults in ggml's AMX matmul on quantized weights on AMX hosts
     # (llama.cpp #20824, reproduced here); the demo model is F16/F32 and never meets it.
     settings = LlamaSettings(
-        llama_port=free_port(), parallel=1, ctx_size=1024, threads=2, telemetry=True, llama_extra_args="--no-repack"
+        port=free_port(), parallel=1, ctx_size=1024, threads=2, telemetry=True, extra_args="--no-repack"
     )
     supervisor = Supervisor(tmp_path / "logs")
     try:
         supervisor.start(llama_service_spec(f"llama-{name}", llama_binary, reduced[name].path, settings))
-        base = f"http://{settings.llama_host}:{settings.llama_port}"
+        base = f"http://{settings.host}:{settings.port}"
         with httpx.Client(base_url=base, timeout=300) as client:
             client.get("/moe/routing", params={"reset": "1"}, headers=ADMIN_HEADERS).raise_for_status()
             resp = client.post(

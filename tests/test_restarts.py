@@ -12,8 +12,8 @@ through the gateway without pause, each service in turn is killed with SIGKILL. 
   tiers (keyword + TF-IDF) while its semantic tier loads in the background, which must then
   become ready (its time from the kill is printed, not asserted);
 - no routing count is lost that can be kept. The flywheel's pulls are driven by this test
-  (MOE_L2_PULL_INTERVAL_S=0) so that every pull's answer is known: Redis' totals (tokens and
-  activations, undecayed with MOE_L2_DECAY=1) never go below what they were before a kill, are
+  (MOE_L2_CACHE_PULL_INTERVAL_S=0) so that every pull's answer is known: Redis' totals (tokens and
+  activations, undecayed with MOE_L2_CACHE_DECAY=1) never go below what they were before a kill, are
   unchanged by Redis' own kill -9 (AOF, appendfsync always), and at the end equal exactly the sum of
   what every successful pull took from llama, counts buffered while Redis was down included. What
   llama counted since its last pull dies with llama: no design can keep those without llama
@@ -245,11 +245,11 @@ def test_every_service_killed_in_turn_under_traffic(llama_binary: Path, tmp_path
             "MOE_L2_PROXY_PORT": str(ports["proxy"]),
             "MOE_L2_STATE_DIR": str(state_dir),
             "MOE_L2_LLAMA_SERVER": str(llama_binary),
-            "MOE_L2_PARALLEL": "2",
-            "MOE_L2_THREADS": "1",
-            "MOE_L2_POOL_BYTES": str(64 << 20),
-            "MOE_L2_PULL_INTERVAL_S": "0",  # the test pulls, and knows what each pull took
-            "MOE_L2_DECAY": "1",  # totals in Redis are plain sums
+            "MOE_L2_LLAMA_PARALLEL": "2",
+            "MOE_L2_LLAMA_THREADS": "1",
+            "MOE_L2_CACHE_POOL_BYTES": str(64 << 20),
+            "MOE_L2_CACHE_PULL_INTERVAL_S": "0",  # the test pulls, and knows what each pull took
+            "MOE_L2_CACHE_DECAY": "1",  # totals in Redis are plain sums
         }
     )
     up = subprocess.Popen(

@@ -48,9 +48,9 @@ def test_up_serves_the_demo_model_and_stops_cleanly(llama_binary: Path, tmp_path
         "MOE_L2_CACHE_PORT": str(free_port()),
         "MOE_L2_PREDICTOR_PORT": str(free_port()),
         "MOE_L2_STATE_DIR": str(tmp_path / "state"),
-        "MOE_L2_PARALLEL": "2",
+        "MOE_L2_LLAMA_PARALLEL": "2",
         # the flywheel's pulls would reset llama's routing counts under this test's feet
-        "MOE_L2_PULL_INTERVAL_S": "0",
+        "MOE_L2_CACHE_PULL_INTERVAL_S": "0",
     }
     env.pop("MOE_L2_MODEL_PATH", None)
     env.pop("MODEL", None)

@@ -105,7 +105,7 @@ def greedy(client: httpx.Client, n_predict: int) -> list[list[int]]:
 
 
 def settings(**kwargs: object) -> LlamaSettings:
-    return LlamaSettings(llama_port=free_port(), parallel=1, ctx_size=512, threads=2, **kwargs)  # type: ignore[arg-type]
+    return LlamaSettings(port=free_port(), parallel=1, ctx_size=512, threads=2, **kwargs)  # type: ignore[arg-type]
 
 
 _reference: dict[str, list[list[int]]] = {}
@@ -122,11 +122,11 @@ def cpu_reference(llama_binary: Path, model: Model, logs: Path) -> list[list[int
 def placement(case: str, n_layer: int) -> tuple[LlamaSettings, dict[str, str]]:
     # -lv 4: the loader's lines (device, offloaded layers, buffer sizes) that assert_on_llvmpipe reads
     if case == "cpu-moe":
-        return settings(gpu_layers=99, llama_extra_args="--cpu-moe -lv 4"), {}
+        return settings(gpu_layers=99, extra_args="--cpu-moe -lv 4"), {}
     if case == "n-cpu-moe-half":
-        return settings(gpu_layers=99, n_cpu_moe=n_layer // 2, llama_extra_args="-lv 4"), {}
+        return settings(gpu_layers=99, n_cpu_moe=n_layer // 2, extra_args="-lv 4"), {}
     assert case == "cpu-moe-offload-min-batch-1"
-    return settings(gpu_layers=99, llama_extra_args="--cpu-moe -lv 4"), {"GGML_OP_OFFLOAD_MIN_BATCH": "1"}
+    return settings(gpu_layers=99, extra_args="--cpu-moe -lv 4"), {"GGML_OP_OFFLOAD_MIN_BATCH": "1"}
 
 
 def assert_on_llvmpipe(log_text: str) -> None:

@@ -177,7 +177,15 @@ def _has_ipc_lock() -> bool:
 
 
 def pool_budget() -> int:
-    return int(os.environ.get("MOE_L2_POOL_BYTES", 8 << 30))
+    """The expert pool's budget as the cache-manager reads it (its settings, so one default)."""
+    from pydantic import ValidationError
+
+    from moe_l2_cache.settings import CacheSettings
+
+    try:
+        return CacheSettings().pool_bytes
+    except ValidationError:  # another of its variables is wrong: the cache-manager reports that one
+        return int(CacheSettings.model_fields["pool_bytes"].default)
 
 
 def check_memlock() -> Check:
@@ -264,7 +272,7 @@ def check_expert_cache(settings: OpsSettings) -> Check | None:
             "expert cache",
             "warn",
             "off: every expert a token uses is copied to the GPU or computed on the CPU "
-            "(MOE_L2_EXPERT_CACHE_BYTES, llama-server --moe-cache-bytes; needs a GPU build)",
+            "(MOE_L2_LLAMA_EXPERT_CACHE_BYTES, llama-server --moe-cache-bytes; needs a GPU build)",
         )
     if resp.status_code != 200:
         return Check("expert cache", "fail", f"GET /moe/cache answered {resp.status_code}: {resp.text[:200]}")

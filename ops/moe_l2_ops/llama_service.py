@@ -19,7 +19,7 @@ def llama_service_spec(
     start_timeout_s: float = 120.0,
 ) -> ServiceSpec:
     """A ServiceSpec that runs the patched llama-server and is healthy once /health answers 200."""
-    base = f"http://{settings.llama_host}:{settings.llama_port}"
+    base = f"http://{settings.host}:{settings.port}"
     return ServiceSpec(
         name=name,
         argv=llama_server_command(binary, model, settings),

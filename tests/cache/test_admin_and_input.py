@@ -34,8 +34,8 @@ def start(
             MOE_L2_MODEL_PATH=str(demo_model),
             MOE_L2_LLAMA_URL=f"http://127.0.0.1:{free_port()}",  # nothing listens there
             MOE_L2_REDIS_URL=redis_server.url,
-            MOE_L2_PULL_INTERVAL_S="0",
-            MOE_L2_POOL_BYTES=str(1 << 20),
+            MOE_L2_CACHE_PULL_INTERVAL_S="0",
+            MOE_L2_CACHE_POOL_BYTES=str(1 << 20),
             **env,
         )
 

@@ -32,7 +32,7 @@ def test_collect_seeds_the_tables(
         MOE_L2_MODEL_PATH=str(demo_model),
         MOE_L2_LLAMA_URL=cache_llama.url,
         MOE_L2_REDIS_URL=redis_server.url,
-        MOE_L2_PULL_INTERVAL_S="0",
+        MOE_L2_CACHE_PULL_INTERVAL_S="0",
     )
     domains = ("math", "translate", "chinese_tech")
     prompts = tmp_path / "prompts.jsonl"

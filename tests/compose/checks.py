@@ -128,7 +128,7 @@ def check_cache_manager(doc: dict[str, Any]) -> None:
     env = as_dict(cache.get("environment"))
     assert env.get("MOE_L2_REDIS_URL") == "redis://redis:6379/0"
     assert env.get("MOE_L2_LLAMA_URL") == "http://llama:11436"
-    assert int(env.get("MOE_L2_POOL_BYTES", "0")) > 0
+    assert int(env.get("MOE_L2_CACHE_POOL_BYTES", "0")) > 0
     assert env.get("MOE_L2_MODEL_PATH")
 
 

@@ -70,7 +70,9 @@ def test_cpu_override_drops_the_gpu(doc_cpu: dict[str, Any]) -> None:
 
 def test_llama_command(doc: dict[str, Any], raw: dict[str, Any]) -> None:
     check_llama_command(doc)
-    custom = interpolate(raw, {"MOE_L2_MODEL_PATH": "/models/qwen/q-00001-of-00003.gguf", "MOE_L2_N_CPU_MOE": "20"})
+    custom = interpolate(
+        raw, {"MOE_L2_MODEL_PATH": "/models/qwen/q-00001-of-00003.gguf", "MOE_L2_LLAMA_N_CPU_MOE": "20"}
+    )
     check_llama_command(custom, model_path="/models/qwen/q-00001-of-00003.gguf")
     check_models_mount(custom)
     assert as_dict(custom["services"]["llama"]["environment"])["LLAMA_ARG_N_CPU_MOE"] == "20"
@@ -94,7 +96,7 @@ def test_domains_and_alias(doc: dict[str, Any], raw: dict[str, Any]) -> None:
     check_domains(doc)
     argv = as_argv(doc["services"]["llama"]["command"])
     assert flag_value(argv, "--alias") == "moe-l2"
-    named = interpolate(raw, {"MOE_L2_MODEL_ALIAS": "qwen3-30b-a3b"})["services"]["llama"]
+    named = interpolate(raw, {"MOE_L2_LLAMA_MODEL_ALIAS": "qwen3-30b-a3b"})["services"]["llama"]
     assert flag_value(as_argv(named["command"]), "--alias") == "qwen3-30b-a3b"
 
 

@@ -19,7 +19,7 @@ from moe_l2_ops.stats import parse_metrics
 
 from .conftest import PREDICTORS, PROJECT, UP_SERVICES, Stack
 
-MODEL = "moe-l2"  # compose.yaml's MOE_L2_MODEL_ALIAS default
+MODEL = "moe-l2"  # compose.yaml's MOE_L2_LLAMA_MODEL_ALIAS default
 PROMPTS = (
     "Solve for x: 3x + 7 = 22, and show each step of the algebra.",
     "Translate 'good morning, how are you today' into French and German.",

@@ -58,9 +58,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory, llama_binary: Path) -> Itera
         "MOE_L2_STATE_DIR": str(state),
         "MOE_L2_LLAMA_SERVER": str(llama_binary),
         # small and quick: the flywheel pulls every second so its counters move during the test
-        "MOE_L2_POOL_BYTES": str(256 << 20),
-        "MOE_L2_PULL_INTERVAL_S": "1",
-        "MOE_L2_DWELL_S": "0",
+        "MOE_L2_CACHE_POOL_BYTES": str(256 << 20),
+        "MOE_L2_CACHE_PULL_INTERVAL_S": "1",
+        "MOE_L2_CACHE_DWELL_S": "0",
     }
     with pytest.MonkeyPatch.context() as mp:
         for key in [k for k in os.environ if k.startswith("MOE_L2_")]:

@@ -37,10 +37,8 @@ def test_the_cache_manager_runs_the_documented_policy_by_default(monkeypatch):
     from moe_l2_cache.settings import CacheSettings
 
     monkeypatch.delenv("MOE_L2_CACHE_POLICY", raising=False)
-    assert CacheSettings().cache_policy in (None, DEFAULT_POLICY)
-    name, policy = _make_policy(
-        CacheSettings().cache_policy, SimpleNamespace(n_layer=4, n_expert=16, n_expert_used=2), 4
-    )
+    assert CacheSettings().policy in (None, DEFAULT_POLICY)
+    name, policy = _make_policy(CacheSettings().policy, SimpleNamespace(n_layer=4, n_expert=16, n_expert_used=2), 4)
     # The documented default, built without transition tables (the pool learns none): the hybrid,
     # and the name it reports says so.
     assert documented_default() == DEFAULT_POLICY

@@ -87,12 +87,12 @@ def llama_spec(
 ) -> Callable[[int], ServiceSpec]:
     def spec(port: int) -> ServiceSpec:
         settings = LlamaSettings(
-            llama_port=port,
+            port=port,
             parallel=parallel,
             ctx_size=ctx_size,
             telemetry=True,
             threads=1,  # see gateway_llamas in conftest.py
-            llama_extra_args=extra_args,
+            extra_args=extra_args,
         )
         return llama_service_spec(name, binary, model, settings)
 

@@ -118,9 +118,7 @@ async def build_service(settings: CacheSettings) -> Service:
     keys = RedisKeys(index.model_id)
     pool, pool_problem = None, None
     try:
-        pool = await asyncio.to_thread(
-            ExpertPool, index, settings.pool_bytes, settings.cache_policy, lock=settings.pool_lock
-        )
+        pool = await asyncio.to_thread(ExpertPool, index, settings.pool_bytes, settings.policy, lock=settings.pool_lock)
     except PoolError as e:
         pool_problem = str(e)
         log.warning("expert pool disabled: %s", e)
@@ -374,7 +372,7 @@ def _routes(app: FastAPI) -> None:
 
     @app.post("/v1/pull", response_model=PullResponse, dependencies=[Depends(_admin)], responses=_ADMIN_ERRORS)
     async def pull(service: ServiceDep) -> PullResponse:
-        """Pull llama's routing counts now (the flywheel also pulls every MOE_L2_PULL_INTERVAL_S)."""
+        """Pull llama's routing counts now (the flywheel also pulls every MOE_L2_CACHE_PULL_INTERVAL_S)."""
         _, flywheel = _active(service)
         return await flywheel.pull()
 

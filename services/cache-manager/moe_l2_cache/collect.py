@@ -2,7 +2,7 @@
 
 Each line is `{"domain": ..., "text": ...}`. Every prompt goes to llama-server's chat endpoint with
 its `X-MoE-Domain` tag, so llama's telemetry counts its routing under that domain; at the end the
-cache-manager is asked to pull now (otherwise its flywheel pulls within MOE_L2_PULL_INTERVAL_S).
+cache-manager is asked to pull now (otherwise its flywheel pulls within MOE_L2_CACHE_PULL_INTERVAL_S).
 Only counts are kept anywhere, never the prompts.
 """
 

@@ -3,7 +3,7 @@
 llama-server counts activations per domain tag, layer and expert; `GET /moe/routing?reset=1` hands
 them over and clears them, so every pull is a delta. Deltas go through the bounded buffer into
 Redis in one transaction (with a marker, see buffer.py), where a Lua script first decays the
-domain's existing counts by MOE_L2_DECAY per MOE_L2_DECAY_TOKENS new tokens of that domain, then
+domain's existing counts by MOE_L2_CACHE_DECAY per MOE_L2_CACHE_DECAY_TOKENS new tokens of that domain, then
 adds the delta: the tables follow the traffic, and a domain without traffic keeps its table.
 After each write the hot sets of the domains written are chosen again and stored in Redis. With
 LLAMA_MOE_TRANSITIONS llama also counts which expert follows which at the next layer; those counts

@@ -19,7 +19,7 @@ DOMAIN_HEADER = "x-moe-domain"
 
 # Never forwarded towards llama: hop-by-hop headers (the gateway answers `Expect: 100-continue`
 # itself and frames the body; what a header named in `Connection:` says is for the gateway alone),
-# what is recomputed, the client's own credentials (llama gets MOE_L2_LLAMA_API_KEY or nothing),
+# what is recomputed, the client's own credentials (llama gets MOE_L2_PROXY_LLAMA_API_KEY or nothing),
 # the services' admin token and the domain tag (the gateway sets it).
 _REQUEST_DROP = frozenset(
     {
