@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from moe_l2_cache.policy import DEFAULT_POLICY, POLICY_NAMES, make_policy
+from moe_l2_cache.policy import DEFAULT_POLICY, POLICY_NAMES
 
 ROOT = Path(__file__).resolve().parents[2]
 STUDY = ROOT / "docs" / "cache-policy-study.md"
@@ -94,7 +94,7 @@ def test_esft_domain_hot_sets_beat_other_domains_sets_held_out(bench):
         test = trace.experts[np.isin(trace.seq, test_seqs) & (trace.domain == domain)][:1500]
         rates = {}
         for label in (domain, other):
-            policy = make_policy("static_domain", 26, 64, 16, **profile.as_kwargs())
+            policy = bench.make_study_policy("static_domain", 26, 64, 16, **profile.as_kwargs())
             policy.on_domain(label)
             rates[label] = sum(int(policy.access_token(t).sum()) for t in test) / test.size
         assert rates[domain] > 0.40 and rates[other] < 0.36 and rates[domain] > rates[other] + 0.1, rates
@@ -109,7 +109,7 @@ def test_esft_belady_bounds_lru_and_prefetch_precision_is_real(bench):
     rates = {}
     for name in ("lru", "xlayer_prefetch", "belady"):
         kwargs = {**profile.as_kwargs(), "future": short.experts}
-        policy = make_policy(name, 26, 64, 16, **kwargs)
+        policy = bench.make_study_policy(name, 26, 64, 16, **kwargs)
         rates[name] = bench.replay(policy, short, short.domain, trace.domains())
     assert rates["belady"]["hit_rate"] > rates["lru"]["hit_rate"] + 0.1
     assert rates["belady"]["loads_per_token"] < rates["lru"]["loads_per_token"]
