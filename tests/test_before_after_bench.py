@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.benches import load_bench
 
 
 @pytest.fixture(scope="module")
 def before_after():
-    spec = importlib.util.spec_from_file_location("before_after", ROOT / "bench" / "before_after.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["before_after"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("before_after")
 
 
 def test_compare_takes_medians_of_the_named_metrics_only(before_after):

@@ -3,7 +3,6 @@ and the benchmark's building blocks behave on the real routing data when it is t
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 
 from moe_l2_cache.policy import DEFAULT_POLICY, POLICY_NAMES
+from tests.benches import load_bench
 
 ROOT = Path(__file__).resolve().parents[2]
 STUDY = ROOT / "docs" / "cache-policy-study.md"
@@ -63,11 +63,7 @@ def routing_data() -> Path:
 def bench():
     if not (routing_data() / "deepseek-ai__ESFT" / "esft_routing_ids_DERIVED.npz").is_file():
         pytest.skip(f"routing data absent at {routing_data()} (set MOE_L2_ROUTING_DATA)")
-    spec = importlib.util.spec_from_file_location("cache_policies", ROOT / "bench" / "cache_policies.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["cache_policies"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("cache_policies")
 
 
 def test_esft_split_is_held_out_and_interleaved(bench):

@@ -2,32 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import sys
 from functools import cache
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from moe_l2_cache.policy import LFRU, LFU, LRU, ExpertCachePolicy, PolicyError, fit_profile
+from tests.benches import load_bench
 
 from .streams import one_layer, random_stream, replay_hits
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load_study():
-    spec = importlib.util.spec_from_file_location("study_policies", ROOT / "bench" / "study_policies.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["study_policies"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-study = _load_study()
+study = load_bench("study_policies")
 Belady, StaticDomain, StaticGlobal, belady_hits = (
     study.Belady,
     study.StaticDomain,
