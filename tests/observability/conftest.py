@@ -61,6 +61,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory, llama_binary: Path) -> Itera
         "MOE_L2_CACHE_POOL_BYTES": str(256 << 20),
         "MOE_L2_CACHE_PULL_INTERVAL_S": "1",
         "MOE_L2_CACHE_DWELL_S": "0",
+        # the tests read what the predictor decided: its 50 ms default budget, missed on a loaded
+        # machine, would turn answers into keyword fallbacks (test_stats_json saw only "fallback")
+        "MOE_L2_PROXY_PREDICT_BUDGET_MS": "5000",
     }
     with pytest.MonkeyPatch.context() as mp:
         for key in [k for k in os.environ if k.startswith("MOE_L2_")]:
