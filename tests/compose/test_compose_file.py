@@ -39,6 +39,7 @@ from tests.compose.checks import (
     check_schema,
     check_services,
     check_variables,
+    run_llama_entrypoint,
 )
 from tests.compose.loading import COMPOSE, COMPOSE_CPU, ROOT, interpolate
 from tests.compose.shapes import as_argv, as_dict, flag_value, published_ports
@@ -103,18 +104,7 @@ def test_domains_and_alias(doc: dict[str, Any], raw: dict[str, Any]) -> None:
 def _run_llama_entrypoint(
     doc: dict[str, Any], tmp_path: Path, extra_env: dict[str, str]
 ) -> subprocess.CompletedProcess[str]:
-    """llama's entrypoint + command, run by a real sh with a stand-in llama-server that prints what it got."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir(exist_ok=True)
-    stand_in = bin_dir / "llama-server"
-    stand_in.write_text(
-        '#!/bin/sh\necho "token=$LLAMA_MOE_ADMIN_TOKEN"\necho "domains=$LLAMA_MOE_DOMAINS"\necho "args=$*"\n'
-    )
-    stand_in.chmod(0o755)
-    llama = doc["services"]["llama"]
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", **as_dict(llama.get("environment")), **extra_env}
-    argv = as_argv(llama["entrypoint"]) + as_argv(llama["command"])
-    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30)
+    return run_llama_entrypoint(doc["services"]["llama"], tmp_path, extra_env)
 
 
 def test_llama_entrypoint_reads_the_token(doc: dict[str, Any], raw: dict[str, Any], tmp_path: Path) -> None:
