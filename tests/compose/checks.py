@@ -28,7 +28,9 @@ CUDA_ARCHITECTURES = {"61", "75", "86", "89", "90", "120"}
 # Redis has no /metrics of its own; every other long-running service is scraped.
 SCRAPED = SERVICES - {"redis"} - ONE_SHOT
 # The services that hold the admin token (moe_l2_contracts.admin), and where the volume puts it.
-TOKEN_HOLDERS = {"proxy", "predictor", "cache-manager", "llama"}
+# the services that read the admin token; the gateway (the one service published) and the predictor
+# call no admin endpoint, so they do not hold it
+TOKEN_HOLDERS = {"cache-manager", "llama"}
 TOKEN_FILE = "/run/moe-l2/admin-token"
 SERVICE_UID = 10001  # every moe-l2 image's USER
 

@@ -20,9 +20,8 @@ CLIENTS = {"predictor": {"proxy"}, "llama": {"proxy"}, "redis": {"llama"}}
 EXPOSED = {"proxy"}
 # the moe-l2 containers that export /metrics (Redis has no exporter)
 SCRAPED = set(MOE_L2_SERVICES)
-# Those that read the admin token. compose also mounts it in the gateway and the predictor, which
-# read none: here the one pod reachable from outside does not hold it.
-TOKEN_READERS = TOKEN_HOLDERS - {"proxy", "predictor"}
+# Those that read the admin token (the same as compose's holders).
+TOKEN_READERS = TOKEN_HOLDERS
 
 
 def check_no_gpu(objects: list[Obj]) -> None:
