@@ -34,7 +34,10 @@ class Pin:
     hashes: tuple[str, ...]
 
     def applies(self, python: str) -> bool:
-        env = {"python_version": python, "python_full_version": f"{python}.0", "sys_platform": "linux"}
+        """On Linux x86-64 and CPython `python` (3.12 or 3.12.8)."""
+        full = python if python.count(".") == 2 else f"{python}.0"
+        minor = ".".join(full.split(".")[:2])
+        env = {"python_version": minor, "python_full_version": full, "sys_platform": "linux"}
         env |= {"platform_machine": "x86_64", "platform_system": "Linux", "platform_python_implementation": "CPython"}
         return self.marker is None or self.marker.evaluate(env)
 
