@@ -27,10 +27,12 @@ install: $(STAMP)
 # The lock file (docs/dependencies.md): every package at its pinned version, every file checked
 # against its hash, then the project itself, editable, with no resolution of its own
 # (--no-deps) and built by the locked setuptools (--no-build-isolation). torch is the local CPU
-# build where pip's find-links (PIP_FIND_LINKS) holds one (the torch-cpu.txt constraint selects
-# it); elsewhere it is PyPI's, whose CUDA libraries are locked apart (torch-cuda.txt).
+# build where pip's find-links holds one (the torch-cpu.txt constraint selects it); elsewhere it
+# is PyPI's, whose CUDA libraries are locked apart (torch-cuda.txt). find-links: the environment's
+# (PIP_FIND_LINKS) and pip's configuration's, as pip itself reads them.
 LOCK := requirements/dev.txt
-TORCH_LOCK := $(if $(wildcard $(addsuffix /torch-*+*.whl,$(PIP_FIND_LINKS))),\
+FIND_LINKS := $(PIP_FIND_LINKS) $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
+TORCH_LOCK := $(if $(wildcard $(addsuffix /torch-*+*.whl,$(FIND_LINKS))),\
 	-c requirements/torch-cpu.txt,-r requirements/torch-cuda.txt)
 
 $(STAMP): pyproject.toml $(LOCK) $(lastword $(TORCH_LOCK))

@@ -12,7 +12,7 @@ own wheel is built offline (--no-build-isolation) by a pinned setuptools.
 - torch's CUDA libraries are kept out of the other locks: the CPU build of torch needs none of them
   (gigabytes), and PyPI's torch for Linux gets them from torch-cuda.txt;
 - torch's entry also carries the hashes of the local builds of the pinned version found in pip's
-  find-links folders (PIP_FIND_LINKS, e.g. a +cpu wheel), and torch-cpu.txt names that build's
+  find-links folders (PIP_FIND_LINKS and pip's configuration's: a +cpu wheel here), and torch-cpu.txt names that build's
   version: a constraint with which pip installs it rather than PyPI's (see write_cpu_constraint).
 
 Existing pins are kept unless --upgrade (then every package takes its newest version).
@@ -86,9 +86,18 @@ def torch_pin() -> str:
     return match.group(1)
 
 
+def find_links() -> list[Path]:
+    """pip's find-links folders, as `make install` reads them: the environment's and pip's config's."""
+    config = subprocess.run(
+        [sys.executable, "-m", "pip", "config", "get", "global.find-links"], capture_output=True, text=True, check=False
+    )
+    found = os.environ.get("PIP_FIND_LINKS", "").split() + config.stdout.split()
+    return [Path(p) for p in dict.fromkeys(found) if Path(p).is_dir()]
+
+
 def local_torch_wheels(version: str) -> list[Path]:
     """Local builds of torch `version` (e.g. 2.13.0+cpu) in pip's find-links folders."""
-    folders = [Path(p) for p in os.environ.get("PIP_FIND_LINKS", "").split() if Path(p).is_dir()]
+    folders = find_links()
     return sorted(w for f in folders for w in f.glob(f"torch-{version}+*.whl"))
 
 
@@ -112,7 +121,7 @@ def write_cpu_constraint(wheels: list[Path]) -> None:
     out = HERE / f"{CPU_CONSTRAINT}.txt"
     versions = sorted({w.name.split("-")[1] for w in wheels})
     if len(versions) > 1:
-        sys.exit(f"several local builds of torch: {versions}; keep one in PIP_FIND_LINKS")
+        sys.exit(f"several local builds of torch: {versions}; keep one in pip's find-links")
     if not versions:
         print(f"no local build of torch: {out.relative_to(REPO)} removed, installs take PyPI's and torch-cuda.txt")
         out.unlink(missing_ok=True)

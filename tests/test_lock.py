@@ -5,7 +5,7 @@ it. A dependency added to pyproject.toml without `make lock` fails here."""
 from __future__ import annotations
 
 import hashlib
-import os
+import importlib.util
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,10 +144,13 @@ def test_the_local_torch_build_verifies() -> None:
     """pip prefers a local build of the pinned torch in its find-links (here the +cpu wheel `make
     install` and the container test use): the lock must hold its hash, or hash-checking refuses it."""
     version = _torch_pin()
-    folders = [Path(p) for p in os.environ.get("PIP_FIND_LINKS", "").split() if Path(p).is_dir()]
-    wheels = [w for f in folders for w in f.glob(f"torch-{version}+*.whl")]
+    spec = importlib.util.spec_from_file_location("lock", REQUIREMENTS / "lock.py")
+    assert spec and spec.loader
+    lock_py = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lock_py)
+    wheels = lock_py.local_torch_wheels(version)
     if not wheels:
-        pytest.skip(f"no local build of torch {version} in PIP_FIND_LINKS")
+        pytest.skip(f"no local build of torch {version} in pip's find-links")
     for name in ("dev", "predictor"):
         (torch,) = [p for p in lock(name) if p.name == "torch"]
         for wheel in wheels:
