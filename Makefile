@@ -10,10 +10,11 @@ STAMP := $(VENV)/.installed
 # ARCH=native compiles for the GPU of this machine (one must be present).
 ARCH ?= 90
 
-.PHONY: install run test lint format bench build-llama build-llama-vulkan check-cuda bench-gpu demo-model clean help
+.PHONY: install lock run test lint format bench build-llama build-llama-vulkan check-cuda bench-gpu demo-model clean help
 
 help:
-	@echo "make install   create $(VENV) with moe-l2 and its dev tools"
+	@echo "make install   create $(VENV) with moe-l2 and its dev tools, from the lock file"
+	@echo "make lock      re-resolve the lock files requirements/*.txt (UPGRADE=1: newest versions)"
 	@echo "make run       start the stack locally (MODEL=path.gguf, else a generated demo model)"
 	@echo "make test      run the test suite (builds the CPU and Vulkan llama-servers on first use)"
 	@echo "make check-cuda  compile and link the CUDA llama-server for ARCH (default 90; ARCH=native on a GPU)"
@@ -23,13 +24,27 @@ help:
 
 install: $(STAMP)
 
-# torch is pinned first: an unpinned resolution pulls a multi-GB CUDA build.
-$(STAMP): pyproject.toml
+# The lock file (docs/dependencies.md): every package at its pinned version, every file checked
+# against its hash, then the project itself, editable, with no resolution of its own
+# (--no-deps) and built by the locked setuptools (--no-build-isolation). torch is the local CPU
+# build where pip's find-links holds one (the torch-cpu.txt constraint selects it); elsewhere it
+# is PyPI's, whose CUDA libraries are locked apart (torch-cuda.txt). find-links: the environment's
+# (PIP_FIND_LINKS) and pip's configuration's, as pip itself reads them.
+LOCK := requirements/dev.txt
+FIND_LINKS := $(PIP_FIND_LINKS) $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
+TORCH_LOCK := $(if $(wildcard $(addsuffix /torch-*+*.whl,$(FIND_LINKS))),\
+	-c requirements/torch-cpu.txt,-r requirements/torch-cuda.txt)
+
+$(STAMP): pyproject.toml $(LOCK) $(lastword $(TORCH_LOCK))
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[all,dev]'
+	$(PY) -m pip install --quiet --require-hashes -r $(LOCK) $(TORCH_LOCK)
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	@touch $@
+
+# Re-resolves requirements/*.txt after a change to pyproject.toml's dependencies or to
+# requirements/torch.in, keeping the other pins; UPGRADE=1 takes every package's newest version.
+lock: $(STAMP)
+	$(PY) requirements/lock.py $(if $(UPGRADE),--upgrade)
 
 build-llama: $(STAMP)
 	$(MOE) build-llama
@@ -66,6 +81,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/hadolint --config .hadolint.yaml $(DOCKERFILES)
+	$(VENV)/bin/lint-imports
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .

@@ -37,11 +37,15 @@ from typing import Any
 
 import numpy as np
 
-from moe_l2_cache.policy import DEFAULT_POLICY, ExpertCachePolicy, RoutingProfile, fit_profile, make_policy
+from moe_l2_cache.policy import DEFAULT_POLICY, ExpertCachePolicy, RoutingProfile, fit_profile
 from moe_l2_cache.policy import hybrid as hybrid_module
 from moe_l2_cache.policy import online as online_module
 from moe_l2_cache.policy import prefetch as prefetch_module
 from moe_l2_cache.policy.prefetch import CrossLayerPrefetch
+
+# The study's own baselines (Belady, static sets) live beside it, not in the product's package.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from study_policies import make_study_policy
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -322,7 +326,7 @@ def run_job(job: Job) -> tuple[Job, dict[str, Any]]:
     kwargs = {**profile.as_kwargs(), **ctx["knobs"], **dict(job.knobs)}
     if job.policy == "belady":
         kwargs["future"] = stream.experts
-    policy = make_policy(job.policy, trace.n_layer, trace.n_expert, job.capacity, **kwargs)
+    policy = make_study_policy(job.policy, trace.n_layer, trace.n_expert, job.capacity, **kwargs)
     labels: np.ndarray = stream.domain
     if job.accuracy == 0.0:
         labels = np.full(stream.n_tokens, None, dtype=object)

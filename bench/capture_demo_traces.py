@@ -27,10 +27,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from moe_l2_common.admin import ADMIN_TOKEN_HEADER
-from moe_l2_common.demo_model import load_planted, make_demo_model
-from moe_l2_common.supervisor import ServiceSpec, Supervisor, free_port, http_ok
+from moe_l2_contracts.admin import ADMIN_TOKEN_HEADER
+from moe_l2_gguf.demo_model import load_planted, make_demo_model
 from moe_l2_llama.settings import LlamaSettings, llama_server_binary, llama_server_command, llama_server_env
+from moe_l2_ops.supervisor import ServiceSpec, Supervisor, free_port, http_ok
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -141,9 +141,9 @@ def expert_bytes(model: Path) -> int:
 def start_server(model: Path, log_dir: Path, admin_token: str) -> tuple[Supervisor, str]:
     # the pull with reset=1 is an admin call: this private server gets a token of its own
     settings = LlamaSettings(
-        llama_port=free_port(), parallel=1, ctx_size=2048, telemetry=True, threads=2, admin_token=admin_token
+        port=free_port(), parallel=1, ctx_size=2048, telemetry=True, threads=2, admin_token=admin_token
     )
-    base = f"http://{settings.llama_host}:{settings.llama_port}"
+    base = f"http://{settings.host}:{settings.port}"
     supervisor = Supervisor(log_dir)
     binary = llama_server_binary(settings)
     spec = ServiceSpec(

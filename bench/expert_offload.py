@@ -57,13 +57,13 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from moe_l2_common.admin import ADMIN_TOKEN_HEADER
-from moe_l2_common.gguf_index import ExpertIndex, GGUFIndexError, load_index
-from moe_l2_common.route_trace import esft_sequence_tasks
-from moe_l2_common.stats import parse_metrics
-from moe_l2_common.supervisor import Supervisor, SupervisorError, free_port
-from moe_l2_llama.service import llama_service_spec
+from moe_l2_contracts.admin import ADMIN_TOKEN_HEADER
+from moe_l2_gguf.index import ExpertIndex, GGUFIndexError, load_index
+from moe_l2_llama.route_trace import esft_sequence_tasks
 from moe_l2_llama.settings import LlamaSettings
+from moe_l2_ops.llama_service import llama_service_spec
+from moe_l2_ops.stats import parse_metrics
+from moe_l2_ops.supervisor import Supervisor, SupervisorError, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 PATCHES = REPO / "services" / "llama" / "patches"
@@ -404,7 +404,7 @@ def start_server(
 ) -> Server:
     extra, env, n, min_batch = server_plan(config, n_cpu_moe, args)
     settings = LlamaSettings(
-        llama_port=free_port(),
+        port=free_port(),
         parallel=1,
         ctx_size=args.ctx,
         threads=args.threads,
@@ -412,7 +412,7 @@ def start_server(
         admin_token=token,
         gpu_layers=ALL_LAYERS,
         n_cpu_moe=n,
-        llama_extra_args=" ".join(extra),
+        extra_args=" ".join(extra),
         expert_cache_bytes=str(getattr(args, "e_bytes", 0) or device_expert_bytes) if config.key == "e" else "",
     )
     if "cpu_repack" in LlamaSettings.model_fields:  # the settings decide --no-repack themselves
@@ -510,8 +510,8 @@ def held_out_profile(
     replay, a note.)"""
     from moe_l2_cache.policy.profile import fit_profile
     from moe_l2_cache.policy.replay import DomainTables
-    from moe_l2_common.route_trace import read_route_trace
-    from moe_l2_common.schemas.llama import ExpertCacheProfile, decode_f32
+    from moe_l2_contracts.schemas.llama import ExpertCacheProfile, decode_f32
+    from moe_l2_llama.route_trace import read_route_trace
 
     trace = read_route_trace(trace_file)
     if trace.n_seq <= n_requests:
@@ -764,7 +764,7 @@ def resolve_model(args: argparse.Namespace, tmp: Path) -> tuple[Path, dict]:
         if not args.model.is_file():
             raise BenchError(f"--model {args.model} does not exist")
         return args.model, {"path": str(args.model), "generated": False}
-    from moe_l2_common.model_shapes import DemoModelError, get_shape, write_shape_model
+    from moe_l2_gguf.model_shapes import DemoModelError, get_shape, write_shape_model
 
     try:
         shape = get_shape(args.shape)
@@ -807,7 +807,7 @@ def resolve_trace(args: argparse.Namespace, binary: Path, layout: ExpertLayout, 
     if not src.is_file():
         return None, f"the model's own (random) router: no ESFT routing data at {src} (set MOE_L2_ROUTING_DATA)"
     out = tmp / "esft.trace"
-    cmd = [sys.executable, "-m", "moe_l2_common.cli", "make-route-trace", "--from", str(src), "--out", str(out)]
+    cmd = [sys.executable, "-m", "moe_l2_ops.cli", "make-route-trace", "--from", str(src), "--out", str(out)]
     cmd += ["--layers", str(len(layout.expert_bytes)), "--experts", str(layout.n_expert)]
     result = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if result.returncode != 0 or not out.is_file():

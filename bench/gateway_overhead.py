@@ -19,7 +19,7 @@ moves it): 1-token and N-token streams at concurrency 1 give CPU per request and
 
 Before/after a gateway change, side by side in one run: `--baseline-ref REF` checks REF out into a
 temporary git worktree and starts a second gateway process from it (PYTHONPATH puts REF's
-moe_l2_proxy and moe_l2_common first), in front of the same llama-server. A fourth target takes its
+moe_l2_proxy and the shared packages first), in front of the same llama-server. A fourth target takes its
 turn in the rotation:
   baseline  the gateway as it was at REF, requests tagged like `gateway`
 and the CPU cost is measured for both gateways, alternated. "vs baseline" is this gateway's
@@ -50,10 +50,10 @@ from pathlib import Path
 
 import httpx
 
-from moe_l2_common.demo_model import make_demo_model
-from moe_l2_common.supervisor import RunningService, ServiceSpec, Supervisor, free_port, http_ok
+from moe_l2_gguf.demo_model import make_demo_model
 from moe_l2_llama.build import build
 from moe_l2_llama.settings import LlamaSettings, llama_server_command, llama_server_env
+from moe_l2_ops.supervisor import RunningService, ServiceSpec, Supervisor, free_port, http_ok
 
 TARGETS = ("direct", "gateway", "baseline", "keyword")
 LAYOUTS = ("shared", "isolated")
@@ -68,8 +68,8 @@ class Sample:
 
 
 def start_llama(supervisor: Supervisor, binary: Path, model: Path, threads: int) -> RunningService:
-    settings = LlamaSettings(llama_port=free_port(), parallel=32, ctx_size=32 * 1024, telemetry=True, threads=threads)
-    url = f"http://127.0.0.1:{settings.llama_port}"
+    settings = LlamaSettings(port=free_port(), parallel=32, ctx_size=32 * 1024, telemetry=True, threads=threads)
+    url = f"http://127.0.0.1:{settings.port}"
     return supervisor.start(
         ServiceSpec(
             name="bench-llama",

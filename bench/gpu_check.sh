@@ -120,7 +120,7 @@ say "mode $MODE, budget ${BUDGET}s, out $OUT_DIR, work $WORK"
 setup_python >>"$LOG" 2>&1
 rc=$?
 printf 'python\t%s\t%s\n' $(($(date +%s) - START)) "$rc" >>"$STEPS"
-if ! "$PY" -c 'import moe_l2_llama.build, moe_l2_common.gguf_index' 2>>"$LOG"; then
+if ! "$PY" -c 'import moe_l2_llama.build, moe_l2_gguf.index' 2>>"$LOG"; then
   say "error: the Python packages are missing and could not be installed (see $LOG)"; finish 1
 fi
 say "python: $PY"
@@ -134,7 +134,7 @@ MODEL_PID=""
 if [ -f "$MODEL" ]; then
   say "model: $MODEL (already there)"
 else
-  run_step model 300 "$PY" -m moe_l2_common.cli make-demo-model "${SHAPE_ARGS[@]}" "$MODEL" &
+  run_step model 300 "$PY" -m moe_l2_ops.cli make-demo-model "${SHAPE_ARGS[@]}" "$MODEL" &
   MODEL_PID=$!
 fi
 

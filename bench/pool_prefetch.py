@@ -31,7 +31,7 @@ import gguf
 import numpy as np
 
 from moe_l2_cache.residency import ExpertPool
-from moe_l2_common.gguf_index import ByteRange, ExpertIndex, load_index
+from moe_l2_gguf.index import ByteRange, ExpertIndex, load_index
 
 N_LAYER, N_EXPERT = 8, 32
 

@@ -104,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(max(1, len(cores)))
 
-    from moe_l2_common.keywords import KeywordClassifier
-    from moe_l2_common.taxonomy import load_default_taxonomy
+    from moe_l2_domains.keywords import KeywordClassifier
+    from moe_l2_domains.taxonomy import load_default_taxonomy
     from moe_l2_predictor.dataset import read_jsonl
     from moe_l2_predictor.predictor import Predictor
     from moe_l2_predictor.prompt import from_text

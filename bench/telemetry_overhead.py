@@ -42,12 +42,12 @@ from pathlib import Path
 
 import httpx
 
-from moe_l2_common.admin import ADMIN_TOKEN_HEADER
-from moe_l2_common.demo_model import DemoModelSpec, load_planted, make_demo_model
-from moe_l2_common.domains import DEFAULT_DOMAINS
-from moe_l2_common.supervisor import Supervisor, free_port
-from moe_l2_llama.service import llama_service_spec
+from moe_l2_contracts.admin import ADMIN_TOKEN_HEADER
+from moe_l2_contracts.domains import DEFAULT_DOMAINS
+from moe_l2_gguf.demo_model import DemoModelSpec, load_planted, make_demo_model
 from moe_l2_llama.settings import LlamaSettings, llama_server_binary
+from moe_l2_ops.llama_service import llama_service_spec
+from moe_l2_ops.supervisor import Supervisor, free_port
 
 MODELS = {
     # the model the tests use: tiny layers, so the per-layer cost of telemetry weighs most here
@@ -147,7 +147,7 @@ def start(
     pin: bool,
 ) -> Server:
     settings = LlamaSettings(
-        llama_port=free_port(), parallel=1, ctx_size=2048, telemetry=telemetry, threads=threads, admin_token=token
+        port=free_port(), parallel=1, ctx_size=2048, telemetry=telemetry, threads=threads, admin_token=token
     )
     spec = llama_service_spec(f"{model.stem}-{label}", binary, model, settings)
     if pin:

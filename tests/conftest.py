@@ -10,11 +10,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from moe_l2_common.admin import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HEADER
-from moe_l2_common.demo_model import load_planted, make_demo_model
-from moe_l2_common.supervisor import Supervisor, free_port
-from moe_l2_llama.service import llama_service_spec
+from moe_l2_contracts.admin import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HEADER
+from moe_l2_gguf.demo_model import load_planted, make_demo_model
 from moe_l2_llama.settings import LlamaSettings, llama_server_binary
+from moe_l2_ops.llama_service import llama_service_spec
+from moe_l2_ops.supervisor import Supervisor, free_port
 
 # Every service a test starts inherits this environment, so they all share one admin token, as
 # under `moe-l2 up`; tests of the token itself override it per process.
@@ -66,10 +66,8 @@ def start_llama(
     clients: list[httpx.Client] = []
 
     def start(name: str, *, telemetry: bool = True, parallel: int = 4, ctx_size: int = 4096) -> LlamaServer:
-        settings = LlamaSettings(
-            llama_port=free_port(), parallel=parallel, ctx_size=ctx_size, telemetry=telemetry, threads=2
-        )
-        base = f"http://{settings.llama_host}:{settings.llama_port}"
+        settings = LlamaSettings(port=free_port(), parallel=parallel, ctx_size=ctx_size, telemetry=telemetry, threads=2)
+        base = f"http://{settings.host}:{settings.port}"
         running = supervisor.start(llama_service_spec(name, llama_binary, demo_model, settings))
         client = httpx.Client(base_url=base, timeout=120)
         clients.append(client)

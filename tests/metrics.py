@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from moe_l2_common.stats import parse_metrics
+from moe_l2_ops.stats import parse_metrics
 
 
 def sample_sum(text: str, name: str, **labels: str) -> float:

@@ -66,7 +66,7 @@ class Bare:
         return None
 
 sys.meta_path.insert(0, Bare())
-from moe_l2_common.cli import main
+from moe_l2_ops.cli import main
 sys.argv[0] = "moe-l2"
 sys.exit(main())
 """
@@ -94,7 +94,7 @@ def test_the_blocker_refuses_what_only_the_extras_bring() -> None:
         [
             sys.executable,
             "-c",
-            BLOCKER.replace("from moe_l2_common.cli", "import fastapi\nfrom moe_l2_common.cli"),
+            BLOCKER.replace("from moe_l2_ops.cli", "import fastapi\nfrom moe_l2_ops.cli"),
             "fastapi",
         ],
         capture_output=True,

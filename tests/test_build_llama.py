@@ -14,7 +14,7 @@ import pytest
 
 from moe_l2_llama import build as build_mod
 
-MOE = [sys.executable, "-m", "moe_l2_common.cli", "build-llama"]
+MOE = [sys.executable, "-m", "moe_l2_ops.cli", "build-llama"]
 
 
 def run_build(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
@@ -211,7 +211,7 @@ def test_a_cuda_build_of_the_current_patches_is_current_whatever_its_flags(
 ) -> None:
     """`build-llama --cuda --arch 90` builds without -march=native and for its own architectures:
     doctor read the key with other defaults and called such a fresh build stale."""
-    from moe_l2_common.doctor import check_llama_binary
+    from moe_l2_ops.doctor import check_llama_binary
 
     patches = build_mod.patch_files(build_mod.default_patches_dir())
     current = {p.name: build_mod.hashlib.sha256(p.read_bytes()).hexdigest() for p in patches}

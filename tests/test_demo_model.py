@@ -14,7 +14,8 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from moe_l2_common.demo_model import (  # noqa: E402 - after the importorskip guard
+from moe_l2_contracts.domains import DEFAULT_DOMAINS  # noqa: E402
+from moe_l2_gguf.demo_model import (  # noqa: E402 - after the importorskip guard
     DOMAIN_WORDS,
     NEUTRAL_WORDS,
     DemoModelError,
@@ -24,7 +25,6 @@ from moe_l2_common.demo_model import (  # noqa: E402 - after the importorskip gu
     make_demo_model,
     planted_path,
 )
-from moe_l2_common.domains import DEFAULT_DOMAINS  # noqa: E402
 
 SPACE = "\u2581"
 MAX_BYTES = 64 * 1024 * 1024

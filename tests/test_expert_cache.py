@@ -35,13 +35,13 @@ import pytest
 
 from moe_l2_cache.policy.profile import fit_profile
 from moe_l2_cache.policy.replay import DomainTables, read_access_log, replay_accesses
-from moe_l2_common.admin import ADMIN_TOKEN_HEADER
-from moe_l2_common.doctor import check_expert_cache
-from moe_l2_common.model_shapes import get_shape, sizes
-from moe_l2_common.route_trace import from_esft_npz, write_route_trace
-from moe_l2_common.schemas.llama import ExpertCacheProfile, ExpertCacheProfileResult, ExpertCacheShape, decode_f32
-from moe_l2_common.stats import OpsSettings, expert_cache_summary, parse_metrics, render_expert_cache
+from moe_l2_contracts.admin import ADMIN_TOKEN_HEADER
+from moe_l2_contracts.schemas.llama import ExpertCacheProfile, ExpertCacheProfileResult, ExpertCacheShape, decode_f32
+from moe_l2_gguf.model_shapes import get_shape, sizes
+from moe_l2_llama.route_trace import from_esft_npz, write_route_trace
 from moe_l2_llama.settings import LlamaSettings, device_env, llama_server_command, llama_server_env
+from moe_l2_ops.doctor import check_expert_cache
+from moe_l2_ops.stats import OpsSettings, expert_cache_summary, parse_metrics, render_expert_cache
 from tests.observability.test_observability import DASHBOARD, metric_names, needs_expert_cache, query_panels
 from tests.test_route_trace import ESFT_NPZ
 from tests.test_vulkan import DS_LAYERS, DS_VOCAB, PROMPTS, Model, assert_on_llvmpipe, greedy, greedy_one, serve
@@ -60,7 +60,7 @@ def budget(slots: int) -> str:
 
 
 def cache_settings(slots: int, policy: str = "default", parallel: int = 1) -> LlamaSettings:
-    s = base_settings(gpu_layers=99, llama_extra_args="--cpu-moe -lv 4")
+    s = base_settings(gpu_layers=99, extra_args="--cpu-moe -lv 4")
     return s.model_copy(
         update={"expert_cache_bytes": budget(slots), "expert_cache_policy": policy, "parallel": parallel}
     )
@@ -80,7 +80,7 @@ _cache_off: dict[str, list[list[int]]] = {}
 def cache_off_reference(vulkan_binary: Path, model: Model, logs: Path) -> list[list[int]]:
     """The Vulkan build's greedy tokens with the experts in host memory and no cache, once."""
     if model.name not in _cache_off:
-        s = base_settings(gpu_layers=99, llama_extra_args="--cpu-moe -lv 4")
+        s = base_settings(gpu_layers=99, extra_args="--cpu-moe -lv 4")
         with serve(vulkan_binary, model.path, s, {}, logs) as (client, _):
             _cache_off[model.name] = greedy(client, N_PREDICT)
     return _cache_off[model.name]
@@ -201,7 +201,7 @@ def test_64_tokens_under_the_esft_trace_equal_the_cache_off(
     headers = {"X-MoE-Domain": "logic"}
     n_tokens = 64
 
-    off = base_settings(gpu_layers=99, llama_extra_args="--cpu-moe -lv 4")
+    off = base_settings(gpu_layers=99, extra_args="--cpu-moe -lv 4")
     with serve(vulkan_binary, model.path, off, env, tmp_path) as (client, _):
         expected = greedy_one(client, PROMPTS[1], n_tokens, headers)
 
@@ -239,7 +239,7 @@ def test_two_concurrent_requests_of_two_domains_with_prefetch_get_the_tokens_the
     # ever decode apart depends on when each arrives (CI once had them in step all the way: 0 prefetches),
     # so the second asks for more tokens and decodes its last ones alone, whatever the timing.
     lengths = (N_PREDICT, 3 * N_PREDICT)
-    off = base_settings(gpu_layers=99, llama_extra_args="--cpu-moe -lv 4")
+    off = base_settings(gpu_layers=99, extra_args="--cpu-moe -lv 4")
     with serve(vulkan_binary, model.path, off, {}, tmp_path) as (client, _):
         expected = [greedy_one(client, PROMPTS[i], lengths[i]) for i in (0, 1)]
     law = from_esft_npz(ESFT_NPZ, tasks=["law"], seqs=slice(0, 20), layers=N_MOE)
@@ -282,7 +282,7 @@ def test_two_concurrent_requests_of_two_domains_with_prefetch_get_the_tokens_the
     one_sequence = tmp_path / "one.trace"
     write_route_trace(from_esft_npz(ESFT_NPZ, tasks=["law"], seqs=slice(0, 1), layers=N_MOE), one_sequence)
     every = cache_settings(SHAPE.n_expert, parallel=2).model_copy(
-        update={"admin_token": TOKEN, "llama_extra_args": "--cpu-moe -lv 4 -kvu"}
+        update={"admin_token": TOKEN, "extra_args": "--cpu-moe -lv 4 -kvu"}
     )
     with serve(vulkan_binary, model.path, every, {"LLAMA_MOE_ROUTE_TRACE": str(one_sequence)}, tmp_path) as (
         client,
@@ -342,7 +342,7 @@ def test_the_flywheel_profile_drives_prefetch_exactly_as_the_python_policy(
     # the requests, in trace order: law's three sequences, then translation's, each with its domain
     requests = [(PROMPTS[i % 2], "logic") for i in range(3)] + [(PROMPTS[i % 2], "translate") for i in range(3)]
 
-    off = base_settings(gpu_layers=99, llama_extra_args="--cpu-moe -lv 4")
+    off = base_settings(gpu_layers=99, extra_args="--cpu-moe -lv 4")
     with serve(vulkan_binary, model.path, off, env, tmp_path) as (client, _):
         expected = [greedy_one(client, p, N_PREDICT, {"X-MoE-Domain": d}) for p, d in requests]
 
@@ -435,7 +435,7 @@ def test_the_flywheel_profile_drives_prefetch_exactly_as_the_python_policy(
 def test_the_profile_endpoint_says_when_the_cache_is_off(
     vulkan_binary: Path, models: dict[str, Model], tmp_path: Path
 ) -> None:
-    off = base_settings(gpu_layers=99, llama_extra_args="--cpu-moe").model_copy(update={"admin_token": TOKEN})
+    off = base_settings(gpu_layers=99, extra_args="--cpu-moe").model_copy(update={"admin_token": TOKEN})
     with serve(vulkan_binary, models["ds-v2-lite"].path, off, {}, tmp_path) as (client, _):
         resp = post_profile(client, ExpertCacheProfile(domain="logic"))
         shape = client.get("/moe/cache")
@@ -500,7 +500,7 @@ def test_a_budget_below_top_k_refuses_to_start_with_one_line(vulkan_binary: Path
 
 
 def test_experts_all_on_the_device_run_without_the_cache(vulkan_binary: Path, models: dict[str, Model]) -> None:
-    s = cache_settings(16).model_copy(update={"llama_extra_args": "-lv 4"})  # no --cpu-moe
+    s = cache_settings(16).model_copy(update={"extra_args": "-lv 4"})  # no --cpu-moe
     code, log = start(vulkan_binary, models["ds-v2-lite"].path, s)
     assert code is None, log[-2000:]
     assert "expert cache off: no expert weights are in host memory" in log

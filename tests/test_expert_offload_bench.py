@@ -3,28 +3,21 @@ host→device bytes derived from routing counts, and its one-line errors. No ser
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
 import pytest
 
-from moe_l2_common.gguf_index import load_index
-from moe_l2_common.model_shapes import get_shape, write_shape_model
+from moe_l2_gguf.index import load_index
+from moe_l2_gguf.model_shapes import get_shape, write_shape_model
+from tests.benches import load_bench
 
-ROOT = Path(__file__).resolve().parent.parent
 EXPERT = 4_866_048  # one ds-v2-lite expert at Q4 (gate + up Q4_K, down Q4_0): 3 x 2048 x 1408 x 4.5 / 8
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("expert_offload", ROOT / "bench" / "expert_offload.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["expert_offload"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("expert_offload")
 
 
 @pytest.fixture(scope="module")

@@ -16,11 +16,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from moe_l2_common.admin import ADMIN_TOKEN_HEADER
-from moe_l2_common.domains import DEFAULT_DOMAINS
-from moe_l2_common.supervisor import Supervisor, free_port
-from moe_l2_llama.service import llama_service_spec
+from moe_l2_contracts.admin import ADMIN_TOKEN_HEADER
+from moe_l2_contracts.domains import DEFAULT_DOMAINS
 from moe_l2_llama.settings import LlamaSettings
+from moe_l2_ops.llama_service import llama_service_spec
+from moe_l2_ops.supervisor import Supervisor, free_port
 from tests.metrics import sample_sum
 
 from .conftest import ADMIN_HEADERS, LlamaServer
@@ -439,7 +439,7 @@ def start_custom(
 
     def start(name: str, *, env: dict[str, str] | None = None, extra_args: str = "") -> LlamaServer:
         settings = LlamaSettings(
-            llama_port=free_port(), parallel=2, ctx_size=2048, telemetry=True, threads=2, llama_extra_args=extra_args
+            port=free_port(), parallel=2, ctx_size=2048, telemetry=True, threads=2, extra_args=extra_args
         )
         spec = llama_service_spec(name, llama_binary, demo_model, settings)
         running = supervisor.start(dataclasses.replace(spec, env={**spec.env, **(env or {})}))

@@ -9,9 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from moe_l2_common.model_shapes import get_shape, write_shape_model
-from moe_l2_common.supervisor import Supervisor, free_port
-from moe_l2_llama.service import llama_service_spec
+from moe_l2_gguf.model_shapes import get_shape, write_shape_model
 from moe_l2_llama.settings import (
     LlamaSettings,
     build_backend,
@@ -20,6 +18,8 @@ from moe_l2_llama.settings import (
     llama_server_command,
     llama_server_env,
 )
+from moe_l2_ops.llama_service import llama_service_spec
+from moe_l2_ops.supervisor import Supervisor, free_port
 
 SAPPHIRE_RAPIDS_FLAGS = "fpu vme avx512f avx512_vnni amx_bf16 avx512_fp16 amx_tile amx_int8"
 
@@ -111,11 +111,11 @@ def test_quantized_shape_serves_with_default_settings(
 ) -> None:
     # On an AMX CPU this is the case that crashed at warm-up before the service added --no-repack
     # (GGML_ASSERT(*cur_backend_id != -1) for deepseek2); elsewhere it is a plain Q4 model.
-    settings = LlamaSettings(llama_port=free_port(), parallel=1, ctx_size=512, threads=2)
+    settings = LlamaSettings(port=free_port(), parallel=1, ctx_size=512, threads=2)
     supervisor = Supervisor(tmp_path)
     try:
         supervisor.start(llama_service_spec("llama-ds", llama_binary, small_ds_v2_lite, settings))
-        base = f"http://{settings.llama_host}:{settings.llama_port}"
+        base = f"http://{settings.host}:{settings.port}"
         resp = httpx.post(
             f"{base}/completion",
             json={"prompt": "the capital of france is", "n_predict": 4, "temperature": 0, "ignore_eos": True},

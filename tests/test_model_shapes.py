@@ -21,9 +21,9 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from moe_l2_common.demo_model import main  # noqa: E402 - after the importorskip guard
-from moe_l2_common.gguf_index import load_index  # noqa: E402
-from moe_l2_common.model_shapes import (  # noqa: E402
+from moe_l2_gguf.demo_model import main  # noqa: E402 - after the importorskip guard
+from moe_l2_gguf.index import load_index  # noqa: E402
+from moe_l2_gguf.model_shapes import (  # noqa: E402
     BLOCK,
     Q4_0,
     Q4_K,
@@ -36,9 +36,9 @@ from moe_l2_common.model_shapes import (  # noqa: E402
     sizes,
     tensor_plan,
 )
-from moe_l2_common.supervisor import Supervisor, free_port  # noqa: E402
-from moe_l2_llama.service import llama_service_spec  # noqa: E402
 from moe_l2_llama.settings import LlamaSettings  # noqa: E402
+from moe_l2_ops.llama_service import llama_service_spec  # noqa: E402
+from moe_l2_ops.supervisor import Supervisor, free_port  # noqa: E402
 
 from .conftest import ADMIN_HEADERS  # noqa: E402
 
@@ -160,7 +160,7 @@ def test_get_shape_names_the_known_ones() -> None:
 # the test process's size.
 _WRITER = (
     "import re, sys\n"
-    "from moe_l2_common.demo_model import main\n"
+    "from moe_l2_gguf.demo_model import main\n"
     "rc = main(sys.argv[1:])\n"
     "status = open('/proc/self/status').read()\n"
     "print('peak_rss_kib', re.search(r'VmHWM:\\s+(\\d+) kB', status).group(1))\n"
@@ -232,12 +232,12 @@ def test_llama_server_generates_and_routes(
     # --no-repack: the native CPU build segfaults in ggml's AMX matmul on quantized weights on AMX hosts
     # (llama.cpp #20824, reproduced here); the demo model is F16/F32 and never meets it.
     settings = LlamaSettings(
-        llama_port=free_port(), parallel=1, ctx_size=1024, threads=2, telemetry=True, llama_extra_args="--no-repack"
+        port=free_port(), parallel=1, ctx_size=1024, threads=2, telemetry=True, extra_args="--no-repack"
     )
     supervisor = Supervisor(tmp_path / "logs")
     try:
         supervisor.start(llama_service_spec(f"llama-{name}", llama_binary, reduced[name].path, settings))
-        base = f"http://{settings.llama_host}:{settings.llama_port}"
+        base = f"http://{settings.host}:{settings.port}"
         with httpx.Client(base_url=base, timeout=300) as client:
             client.get("/moe/routing", params={"reset": "1"}, headers=ADMIN_HEADERS).raise_for_status()
             resp = client.post(

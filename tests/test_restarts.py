@@ -12,8 +12,8 @@ through the gateway without pause, each service in turn is killed with SIGKILL. 
   tiers (keyword + TF-IDF) while its semantic tier loads in the background, which must then
   become ready (its time from the kill is printed, not asserted);
 - no routing count is lost that can be kept. The flywheel's pulls are driven by this test
-  (MOE_L2_PULL_INTERVAL_S=0) so that every pull's answer is known: Redis' totals (tokens and
-  activations, undecayed with MOE_L2_DECAY=1) never go below what they were before a kill, are
+  (MOE_L2_CACHE_PULL_INTERVAL_S=0) so that every pull's answer is known: Redis' totals (tokens and
+  activations, undecayed with MOE_L2_CACHE_DECAY=1) never go below what they were before a kill, are
   unchanged by Redis' own kill -9 (AOF, appendfsync always), and at the end equal exactly the sum of
   what every successful pull took from llama, counts buffered while Redis was down included. What
   llama counted since its last pull dies with llama: no design can keep those without llama
@@ -36,7 +36,7 @@ import httpx
 import pytest
 import redis
 
-from moe_l2_common.supervisor import free_port, port_in_use
+from moe_l2_ops.supervisor import free_port, port_in_use
 from tests.conftest import ADMIN_HEADERS, ADMIN_TOKEN
 
 pytestmark = pytest.mark.llama
@@ -245,15 +245,15 @@ def test_every_service_killed_in_turn_under_traffic(llama_binary: Path, tmp_path
             "MOE_L2_PROXY_PORT": str(ports["proxy"]),
             "MOE_L2_STATE_DIR": str(state_dir),
             "MOE_L2_LLAMA_SERVER": str(llama_binary),
-            "MOE_L2_PARALLEL": "2",
-            "MOE_L2_THREADS": "1",
-            "MOE_L2_POOL_BYTES": str(64 << 20),
-            "MOE_L2_PULL_INTERVAL_S": "0",  # the test pulls, and knows what each pull took
-            "MOE_L2_DECAY": "1",  # totals in Redis are plain sums
+            "MOE_L2_LLAMA_PARALLEL": "2",
+            "MOE_L2_LLAMA_THREADS": "1",
+            "MOE_L2_CACHE_POOL_BYTES": str(64 << 20),
+            "MOE_L2_CACHE_PULL_INTERVAL_S": "0",  # the test pulls, and knows what each pull took
+            "MOE_L2_CACHE_DECAY": "1",  # totals in Redis are plain sums
         }
     )
     up = subprocess.Popen(
-        [sys.executable, "-m", "moe_l2_common.cli", "up"],
+        [sys.executable, "-m", "moe_l2_ops.cli", "up"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -344,7 +344,7 @@ def test_every_service_killed_in_turn_under_traffic(llama_binary: Path, tmp_path
             assert entry["pid"] == service_pids(up.pid)[name]
         ops_env = {**env, "MOE_L2_OPS_TIMEOUT_S": "10"}
         stats = subprocess.run(
-            [sys.executable, "-m", "moe_l2_common.cli", "stats", "--json", "--sample", "0"],
+            [sys.executable, "-m", "moe_l2_ops.cli", "stats", "--json", "--sample", "0"],
             env=ops_env,
             capture_output=True,
             text=True,
@@ -354,7 +354,7 @@ def test_every_service_killed_in_turn_under_traffic(llama_binary: Path, tmp_path
         supervised = json.loads(stats.stdout)["supervisor"]
         assert {name: supervised[name]["restarts"] for name in KILL_ORDER} == dict.fromkeys(KILL_ORDER, 1)
         doctor = subprocess.run(
-            [sys.executable, "-m", "moe_l2_common.cli", "doctor", "--json"],
+            [sys.executable, "-m", "moe_l2_ops.cli", "doctor", "--json"],
             env=ops_env,
             capture_output=True,
             text=True,
@@ -382,7 +382,7 @@ def test_every_service_killed_in_turn_under_traffic(llama_binary: Path, tmp_path
             ), calls
         assert calls["status"] == ("fail" if open_calls else "pass"), calls
         wrong = subprocess.run(
-            [sys.executable, "-m", "moe_l2_common.cli", "doctor", "--json"],
+            [sys.executable, "-m", "moe_l2_ops.cli", "doctor", "--json"],
             env={**ops_env, "MOE_L2_ADMIN_TOKEN": "not-the-token"},
             capture_output=True,
             text=True,

@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 
 from moe_l2_cache.policy.profile import transition_counts
-from moe_l2_common.model_shapes import get_shape, write_shape_model
-from moe_l2_common.route_trace import (
+from moe_l2_contracts.schemas.llama import LayerPairCounts
+from moe_l2_gguf.model_shapes import get_shape, write_shape_model
+from moe_l2_llama.route_trace import (
     ESFT_TASKS,
     RouteTrace,
     esft_sequence_tasks,
@@ -32,10 +33,9 @@ from moe_l2_common.route_trace import (
     read_route_trace,
     write_route_trace,
 )
-from moe_l2_common.schemas.llama import LayerPairCounts
-from moe_l2_common.supervisor import Supervisor, free_port
-from moe_l2_llama.service import llama_service_spec
 from moe_l2_llama.settings import LlamaSettings, llama_server_command, llama_server_env
+from moe_l2_ops.llama_service import llama_service_spec
+from moe_l2_ops.supervisor import Supervisor, free_port
 
 from .conftest import ADMIN_HEADERS
 
@@ -152,19 +152,19 @@ def start_server(llama_binary: Path, model: Path, tmp_path_factory: pytest.TempP
 
     def start(name: str, trace: Path | None, transitions: bool = True) -> httpx.Client:
         settings = LlamaSettings(
-            llama_port=free_port(),
+            port=free_port(),
             parallel=1,
             ctx_size=1024,
             threads=2,
             telemetry=True,
             transitions=transitions,
-            llama_extra_args=NO_REPACK,
+            extra_args=NO_REPACK,
         )
         spec = llama_service_spec(name, llama_binary, model, settings)
         if trace is not None:
             spec = dataclasses.replace(spec, env={**spec.env, TRACE_ENV: str(trace)})
         supervisor.start(spec)
-        client = httpx.Client(base_url=f"http://{settings.llama_host}:{settings.llama_port}", timeout=300)
+        client = httpx.Client(base_url=f"http://{settings.host}:{settings.port}", timeout=300)
         clients.append(client)
         return client
 
@@ -294,7 +294,7 @@ def test_without_the_trace_the_model_routes_itself(
 
 def run_until_exit(llama_binary: Path, model: Path, trace: Path) -> subprocess.CompletedProcess[str]:
     settings = LlamaSettings(
-        llama_port=free_port(), parallel=1, ctx_size=512, threads=2, telemetry=True, llama_extra_args=NO_REPACK
+        port=free_port(), parallel=1, ctx_size=512, threads=2, telemetry=True, extra_args=NO_REPACK
     )
     env = {**os.environ, **llama_server_env(settings), TRACE_ENV: str(trace)}
     cmd = llama_server_command(llama_binary, model, settings)

@@ -1,4 +1,4 @@
-"""The services' ports are defined once, in moe_l2_common.services, and every reader agrees."""
+"""The services' ports are defined once, in moe_l2_contracts.services, and every reader agrees."""
 
 from __future__ import annotations
 
@@ -7,18 +7,18 @@ from pathlib import Path
 
 import pytest
 
-from moe_l2_common.services import CACHE_MANAGER, LLAMA, PREDICTOR, PROXY, SERVICES
-from moe_l2_common.stack import StackSettings
-from moe_l2_common.stats import OpsSettings
+from moe_l2_contracts.services import CACHE_MANAGER, LLAMA, PREDICTOR, PROXY, SERVICES
+from moe_l2_ops.stack import StackSettings
+from moe_l2_ops.stats import OpsSettings
 
 REPO = Path(__file__).resolve().parent.parent
-TABLE = REPO / "shared" / "moe_l2_common" / "services.py"
+TABLE = REPO / "shared" / "moe_l2_contracts" / "services.py"
 
 
 def test_no_port_number_outside_the_table() -> None:
     ports = {s.port for s in SERVICES.values()}
     found = []
-    for path in [*REPO.glob("shared/**/*.py"), *REPO.glob("services/**/*.py")]:
+    for path in [*REPO.glob("shared/**/*.py"), *REPO.glob("ops/**/*.py"), *REPO.glob("services/**/*.py")]:
         if path == TABLE:
             continue
         for node in ast.walk(ast.parse(path.read_text())):

@@ -18,7 +18,7 @@ import pytest
 from moe_l2_llama import build as build_mod
 from moe_l2_llama import source_archive as sa
 
-MOE = [sys.executable, "-m", "moe_l2_common.cli", "build-llama"]
+MOE = [sys.executable, "-m", "moe_l2_ops.cli", "build-llama"]
 
 
 def genuine_sdist() -> Path:

@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from moe_l2_common.admin import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV
-from moe_l2_common.stack import StackSettings, stack_admin_token, stack_services
-from moe_l2_common.supervisor import free_port, port_in_use
+from moe_l2_contracts.admin import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV
+from moe_l2_ops.stack import StackSettings, stack_admin_token, stack_services
+from moe_l2_ops.supervisor import free_port, port_in_use
 from tests.test_restarts import service_pids
 
 
@@ -48,15 +48,15 @@ def test_up_serves_the_demo_model_and_stops_cleanly(llama_binary: Path, tmp_path
         "MOE_L2_CACHE_PORT": str(free_port()),
         "MOE_L2_PREDICTOR_PORT": str(free_port()),
         "MOE_L2_STATE_DIR": str(tmp_path / "state"),
-        "MOE_L2_PARALLEL": "2",
+        "MOE_L2_LLAMA_PARALLEL": "2",
         # the flywheel's pulls would reset llama's routing counts under this test's feet
-        "MOE_L2_PULL_INTERVAL_S": "0",
+        "MOE_L2_CACHE_PULL_INTERVAL_S": "0",
     }
     env.pop("MOE_L2_MODEL_PATH", None)
     env.pop("MODEL", None)
     env.pop(ADMIN_TOKEN_ENV, None)  # so `up` creates the state folder's token
     proc = subprocess.Popen(
-        [sys.executable, "-m", "moe_l2_common.cli", "up"],
+        [sys.executable, "-m", "moe_l2_ops.cli", "up"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -126,7 +126,7 @@ def test_up_serves_the_demo_model_and_stops_cleanly(llama_binary: Path, tmp_path
 def test_up_with_a_missing_model_is_one_clear_line(llama_binary: Path, tmp_path: Path) -> None:
     env = {**os.environ, "MOE_L2_STATE_DIR": str(tmp_path / "state"), "MOE_L2_LLAMA_PORT": str(free_port())}
     result = subprocess.run(
-        [sys.executable, "-m", "moe_l2_common.cli", "up", "--model", str(tmp_path / "nope.gguf")],
+        [sys.executable, "-m", "moe_l2_ops.cli", "up", "--model", str(tmp_path / "nope.gguf")],
         capture_output=True,
         text=True,
         env=env,
@@ -187,7 +187,7 @@ def test_stack_restart_roles(no_token: Path) -> None:
 
 
 def test_doctor_checks_the_admin_token(no_token: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from moe_l2_common.doctor import check_admin_token
+    from moe_l2_ops.doctor import check_admin_token
 
     check = check_admin_token()
     assert check.status == "warn" and f"`moe-l2 up` creates {no_token}" in check.detail

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_l2_common.supervisor import (
+from moe_l2_ops.supervisor import (
     RestartPolicy,
     RunningService,
     ServiceSpec,
@@ -246,7 +246,7 @@ RUNNER = textwrap.dedent(
     """
     import json, sys
     from pathlib import Path
-    from moe_l2_common.supervisor import RestartPolicy, ServiceSpec, Supervisor, http_ok
+    from moe_l2_ops.supervisor import RestartPolicy, ServiceSpec, Supervisor, http_ok
     specs, state = json.loads(sys.argv[1]), Path(sys.argv[2])
     sup = Supervisor(state.parent / "logs", policy=RestartPolicy(delay_s=0.1), state_path=state)
     try:
@@ -306,8 +306,8 @@ def _entry(state: str, restarts: int, failure: str | None = None) -> dict:
 
 
 def test_stats_and_doctor_show_restarts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from moe_l2_common.doctor import check_supervisor
-    from moe_l2_common.stats import read_supervisor, render_restarts
+    from moe_l2_ops.doctor import check_supervisor
+    from moe_l2_ops.stats import read_supervisor, render_restarts
 
     monkeypatch.setenv("MOE_L2_STATE_DIR", str(tmp_path / "state"))
     assert read_supervisor() is None and check_supervisor() is None  # not under `moe-l2 up`

@@ -26,11 +26,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from moe_l2_common.model_shapes import get_shape, write_shape_model
-from moe_l2_common.supervisor import Supervisor, free_port
+from moe_l2_gguf.model_shapes import get_shape, write_shape_model
 from moe_l2_llama import build as build_mod
-from moe_l2_llama.service import llama_service_spec
 from moe_l2_llama.settings import LlamaSettings
+from moe_l2_ops.llama_service import llama_service_spec
+from moe_l2_ops.supervisor import Supervisor, free_port
 
 DS_LAYERS = 4  # layer 0 dense, MoE layers 1-3: --n-cpu-moe 2 splits the MoE layers 1 / 2
 DS_VOCAB = 8192
@@ -105,7 +105,7 @@ def greedy(client: httpx.Client, n_predict: int) -> list[list[int]]:
 
 
 def settings(**kwargs: object) -> LlamaSettings:
-    return LlamaSettings(llama_port=free_port(), parallel=1, ctx_size=512, threads=2, **kwargs)  # type: ignore[arg-type]
+    return LlamaSettings(port=free_port(), parallel=1, ctx_size=512, threads=2, **kwargs)  # type: ignore[arg-type]
 
 
 _reference: dict[str, list[list[int]]] = {}
@@ -122,11 +122,11 @@ def cpu_reference(llama_binary: Path, model: Model, logs: Path) -> list[list[int
 def placement(case: str, n_layer: int) -> tuple[LlamaSettings, dict[str, str]]:
     # -lv 4: the loader's lines (device, offloaded layers, buffer sizes) that assert_on_llvmpipe reads
     if case == "cpu-moe":
-        return settings(gpu_layers=99, llama_extra_args="--cpu-moe -lv 4"), {}
+        return settings(gpu_layers=99, extra_args="--cpu-moe -lv 4"), {}
     if case == "n-cpu-moe-half":
-        return settings(gpu_layers=99, n_cpu_moe=n_layer // 2, llama_extra_args="-lv 4"), {}
+        return settings(gpu_layers=99, n_cpu_moe=n_layer // 2, extra_args="-lv 4"), {}
     assert case == "cpu-moe-offload-min-batch-1"
-    return settings(gpu_layers=99, llama_extra_args="--cpu-moe -lv 4"), {"GGML_OP_OFFLOAD_MIN_BATCH": "1"}
+    return settings(gpu_layers=99, extra_args="--cpu-moe -lv 4"), {"GGML_OP_OFFLOAD_MIN_BATCH": "1"}
 
 
 def assert_on_llvmpipe(log_text: str) -> None:
@@ -200,7 +200,7 @@ def test_vulkan_without_its_packages_is_one_clear_line(tmp_path: Path) -> None:
     env = {**os.environ, "PATH": str(_bin_without_glslc(tmp_path)), "MOE_L2_CACHE_DIR": str(tmp_path / "cache")}
     env.pop("VULKAN_SDK", None)
     result = subprocess.run(
-        [sys.executable, "-m", "moe_l2_common.cli", "build-llama", "--vulkan"],
+        [sys.executable, "-m", "moe_l2_ops.cli", "build-llama", "--vulkan"],
         capture_output=True,
         text=True,
         env=env,

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import redis
 
-from moe_l2_common.supervisor import free_port
+from moe_l2_ops.supervisor import free_port
 
 from ..conftest import LlamaServer
 

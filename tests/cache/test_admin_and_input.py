@@ -13,10 +13,10 @@ from fastapi.testclient import TestClient
 
 from moe_l2_cache.app import create_app
 from moe_l2_cache.settings import CacheSettings
-from moe_l2_common.admin import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV, ADMIN_TOKEN_HEADER
-from moe_l2_common.domains import DEFAULT_DOMAINS, UNTAGGED
-from moe_l2_common.schemas.errors import ServiceError
-from moe_l2_common.supervisor import free_port
+from moe_l2_contracts.admin import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV, ADMIN_TOKEN_HEADER
+from moe_l2_contracts.domains import DEFAULT_DOMAINS, UNTAGGED
+from moe_l2_contracts.schemas.errors import ServiceError
+from moe_l2_ops.supervisor import free_port
 
 from ..conftest import ADMIN_HEADERS, ADMIN_TOKEN
 from .conftest import CacheManager, RedisServer
@@ -34,8 +34,8 @@ def start(
             MOE_L2_MODEL_PATH=str(demo_model),
             MOE_L2_LLAMA_URL=f"http://127.0.0.1:{free_port()}",  # nothing listens there
             MOE_L2_REDIS_URL=redis_server.url,
-            MOE_L2_PULL_INTERVAL_S="0",
-            MOE_L2_POOL_BYTES=str(1 << 20),
+            MOE_L2_CACHE_PULL_INTERVAL_S="0",
+            MOE_L2_CACHE_POOL_BYTES=str(1 << 20),
             **env,
         )
 

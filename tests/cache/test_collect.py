@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from moe_l2_cache.collect import main
-from moe_l2_common.cli import main as cli_main
-from moe_l2_common.gguf_index import load_index
+from moe_l2_gguf.index import load_index
+from moe_l2_ops.cli import main as cli_main
 
 from ..conftest import LlamaServer
 from .conftest import CacheManager, RedisServer
@@ -32,7 +32,7 @@ def test_collect_seeds_the_tables(
         MOE_L2_MODEL_PATH=str(demo_model),
         MOE_L2_LLAMA_URL=cache_llama.url,
         MOE_L2_REDIS_URL=redis_server.url,
-        MOE_L2_PULL_INTERVAL_S="0",
+        MOE_L2_CACHE_PULL_INTERVAL_S="0",
     )
     domains = ("math", "translate", "chinese_tech")
     prompts = tmp_path / "prompts.jsonl"

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from moe_l2_common.domains import DEFAULT_DOMAINS
-from moe_l2_common.gguf_index import load_index
+from moe_l2_contracts.domains import DEFAULT_DOMAINS
+from moe_l2_gguf.index import load_index
 
 from ..conftest import ADMIN_HEADERS, LlamaServer
 from .conftest import CacheManager, RedisServer
@@ -35,11 +35,11 @@ def manager(
         MOE_L2_MODEL_PATH=str(demo_model),
         MOE_L2_LLAMA_URL=cache_llama.url,
         MOE_L2_REDIS_URL=redis_server.url,
-        MOE_L2_PULL_INTERVAL_S="0",  # pulls on demand only: the tests decide when
-        MOE_L2_DWELL_S="0",
-        MOE_L2_DECAY="1",
-        MOE_L2_HOTSET_BYTES=str(6 * 8 * expert_bytes),  # as many experts as the planted ones (6 per layer)
-        MOE_L2_POOL_BYTES=str(8 * 8 * expert_bytes),
+        MOE_L2_CACHE_PULL_INTERVAL_S="0",  # pulls on demand only: the tests decide when
+        MOE_L2_CACHE_DWELL_S="0",
+        MOE_L2_CACHE_DECAY="1",
+        MOE_L2_CACHE_HOTSET_BYTES=str(6 * 8 * expert_bytes),  # as many experts as the planted ones (6 per layer)
+        MOE_L2_CACHE_POOL_BYTES=str(8 * 8 * expert_bytes),
     )
 
 

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from moe_l2_cache.engine_cache import domain_prior
-from moe_l2_common.schemas.llama import ExpertCacheProfile, ExpertCacheShape
-from moe_l2_common.stats import parse_metrics
+from moe_l2_contracts.schemas.llama import ExpertCacheProfile, ExpertCacheShape
 from moe_l2_llama.settings import LlamaSettings, counts_transitions
+from moe_l2_ops.stats import parse_metrics
 from tests.test_expert_cache import EXPERT_BYTES, SHAPE, metric
 from tests.test_vulkan import PROMPTS, Model, greedy_one, serve
 from tests.test_vulkan import models as models  # the module's fixture
@@ -54,7 +54,7 @@ def wait_for(check: Callable[[], bool], what: str, timeout: float = 60) -> None:
 
 def two_layer_cache() -> LlamaSettings:
     """--n-cpu-moe 3 of 4 layers: layer 0 is dense, so the cache holds MoE layers 1 and 2, not 3."""
-    s = base_settings(gpu_layers=99, n_cpu_moe=3, llama_extra_args="-lv 4")
+    s = base_settings(gpu_layers=99, n_cpu_moe=3, extra_args="-lv 4")
     return s.model_copy(update={"expert_cache_bytes": str(16 * EXPERT_BYTES * 2), "telemetry": True})
 
 
@@ -66,9 +66,9 @@ def start_feeder(
         MOE_L2_MODEL_PATH=str(model),
         MOE_L2_LLAMA_URL=str(llama.base_url),
         MOE_L2_REDIS_URL=redis.url,
-        MOE_L2_PULL_INTERVAL_S="0.5",
-        MOE_L2_ENGINE_PROFILE_INTERVAL_S="0.5",
-        MOE_L2_DECAY="1",
+        MOE_L2_CACHE_PULL_INTERVAL_S="0.5",
+        MOE_L2_CACHE_ENGINE_PROFILE_INTERVAL_S="0.5",
+        MOE_L2_CACHE_DECAY="1",
         **env,
     )
 
@@ -138,14 +138,14 @@ def test_learned_transitions_reach_the_cache_and_drive_its_prefetch(
     model = models["ds-v2-lite"]
     # the cache holds MoE layers 1 and 2 (adjacent): its table of transitions is the pair (1, 2)
     s = two_layer_cache()
-    assert counts_transitions(s)  # on with the cache, unless MOE_L2_TRANSITIONS says otherwise
+    assert counts_transitions(s)  # on with the cache, unless MOE_L2_LLAMA_TRANSITIONS says otherwise
     codegen = {"X-MoE-Domain": "codegen"}
     with serve(vulkan_binary, model.path, s, {}, tmp_path) as (client, _):
         # without tables the default policy has nothing to predict with: no prefetch
         alone = greedy_one(client, PROMPTS[1], 8, codegen)
         assert metric(client, "moe_cache_prefetch_total") == 0
         manager = start_feeder(
-            start_cache_manager, model.path, client, redis_server, MOE_L2_ENGINE_TRANSITIONS_MIN_TOKENS="40"
+            start_cache_manager, model.path, client, redis_server, MOE_L2_CACHE_ENGINE_TRANSITIONS_MIN_TOKENS="40"
         )
         wait_for(lambda: sample(manager, "engine_profile_pushes_total") >= 1, "the first request's prior pushed")
         assert sample(manager, "flywheel_tokens_total") < 40
@@ -176,8 +176,8 @@ def test_without_the_cache_the_feeder_waits_quietly(
         MOE_L2_MODEL_PATH=str(demo_model),
         MOE_L2_LLAMA_URL=cache_llama.url,
         MOE_L2_REDIS_URL=redis_server.url,
-        MOE_L2_PULL_INTERVAL_S="0",
-        MOE_L2_ENGINE_PROFILE_INTERVAL_S="0.2",
+        MOE_L2_CACHE_PULL_INTERVAL_S="0",
+        MOE_L2_CACHE_ENGINE_PROFILE_INTERVAL_S="0.2",
     )
     time.sleep(1.5)  # several rounds
     assert (sample(manager, "engine_profile_pushes_total"), sample(manager, "engine_profile_errors_total")) == (0, 0)

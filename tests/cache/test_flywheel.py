@@ -16,10 +16,10 @@ from redis.asyncio import Redis
 from moe_l2_cache.buffer import Batch, CountBuffer
 from moe_l2_cache.flywheel import Flywheel
 from moe_l2_cache.hotset import router_map_text, select_hot_set, sum_tables
-from moe_l2_common.admin import ADMIN_TOKEN_HEADER
-from moe_l2_common.domains import UNTAGGED
-from moe_l2_common.gguf_index import ExpertIndex, load_index
-from moe_l2_common.redis_keys import GLOBAL_DOMAIN, RedisKeys
+from moe_l2_cache.redis_keys import GLOBAL_DOMAIN, RedisKeys
+from moe_l2_contracts.admin import ADMIN_TOKEN_HEADER
+from moe_l2_contracts.domains import UNTAGGED
+from moe_l2_gguf.index import ExpertIndex, load_index
 
 from .conftest import RedisServer
 

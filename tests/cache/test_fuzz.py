@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
-from moe_l2_common.gguf_index import load_index
-from moe_l2_common.schemas.errors import ServiceError
-from moe_l2_common.supervisor import free_port
+from moe_l2_contracts.schemas.errors import ServiceError
+from moe_l2_gguf.index import load_index
+from moe_l2_ops.supervisor import free_port
 
 from ..conftest import ADMIN_HEADERS, LlamaServer
 from .conftest import CacheManager, RedisServer
@@ -122,10 +122,10 @@ def test_fuzz_the_cache_manager(
         MOE_L2_MODEL_PATH=str(demo_model),
         MOE_L2_LLAMA_URL=llama_url,
         MOE_L2_REDIS_URL=redis_server.url,
-        MOE_L2_PULL_INTERVAL_S="0",
-        MOE_L2_DWELL_S="0",
-        MOE_L2_HOTSET_BYTES=str(6 * 8 * expert_bytes),
-        MOE_L2_POOL_BYTES=str(8 * 8 * expert_bytes),
+        MOE_L2_CACHE_PULL_INTERVAL_S="0",
+        MOE_L2_CACHE_DWELL_S="0",
+        MOE_L2_CACHE_HOTSET_BYTES=str(6 * 8 * expert_bytes),
+        MOE_L2_CACHE_POOL_BYTES=str(8 * 8 * expert_bytes),
     )
     if llama_state == "up":
         pulled = manager.client.post("/v1/pull", headers=ADMIN_HEADERS).json()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_l2_common.gguf_index import DenseModelError, GGUFIndexError, load_index, main
+from moe_l2_gguf.index import DenseModelError, GGUFIndexError, load_index, main
 
 from .gguf_header import read_tensor_table
 from .gguf_models import SHAPES, Built, build_dense, build_mixtral, build_split

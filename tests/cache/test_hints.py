@@ -15,10 +15,10 @@ from redis.asyncio import Redis
 from moe_l2_cache.buffer import CountBuffer
 from moe_l2_cache.flywheel import Flywheel
 from moe_l2_cache.hints import HintController
+from moe_l2_cache.redis_keys import RedisKeys
 from moe_l2_cache.residency import ExpertPool
-from moe_l2_common.admin import ADMIN_TOKEN_HEADER
-from moe_l2_common.gguf_index import ExpertIndex, load_index
-from moe_l2_common.redis_keys import RedisKeys
+from moe_l2_contracts.admin import ADMIN_TOKEN_HEADER
+from moe_l2_gguf.index import ExpertIndex, load_index
 
 from .conftest import RedisServer
 from .test_flywheel import ACCEPTED, LLAMA_ADMIN, snapshot

@@ -11,8 +11,8 @@ from fastapi.testclient import TestClient
 
 from moe_l2_cache.app import create_app
 from moe_l2_cache.settings import CacheSettings
-from moe_l2_common.admin import ADMIN_TOKEN_HEADER
-from moe_l2_common.supervisor import free_port
+from moe_l2_contracts.admin import ADMIN_TOKEN_HEADER
+from moe_l2_ops.supervisor import free_port
 
 from ..conftest import ADMIN_HEADERS
 from .gguf_models import build_dense, build_mixtral

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from moe_l2_common.gguf_index import load_index
+from moe_l2_gguf.index import load_index
 
 from ..conftest import ADMIN_HEADERS, LlamaServer
 from .conftest import CacheManager, RedisServer
@@ -41,11 +41,11 @@ def start(
         MOE_L2_MODEL_PATH=str(demo_model),
         MOE_L2_LLAMA_URL=llama.url,
         MOE_L2_REDIS_URL=redis.url,
-        MOE_L2_PULL_INTERVAL_S="0",
-        MOE_L2_DWELL_S="0",
-        MOE_L2_DECAY="1",
-        MOE_L2_HOTSET_BYTES=str(6 * 8 * expert_bytes),
-        MOE_L2_POOL_BYTES=str(8 * 8 * expert_bytes),
+        MOE_L2_CACHE_PULL_INTERVAL_S="0",
+        MOE_L2_CACHE_DWELL_S="0",
+        MOE_L2_CACHE_DECAY="1",
+        MOE_L2_CACHE_HOTSET_BYTES=str(6 * 8 * expert_bytes),
+        MOE_L2_CACHE_POOL_BYTES=str(8 * 8 * expert_bytes),
     )
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from moe_l2_cache.pages import PAGE
 from moe_l2_cache.residency import ExpertPool
-from moe_l2_common.gguf_index import ExpertIndex, load_index
+from moe_l2_gguf.index import ExpertIndex, load_index
 
 
 def vm_locked() -> int:
@@ -122,7 +122,7 @@ def test_unlocking_one_expert_keeps_a_shared_page_of_its_neighbour_locked(index:
 
 _DEGRADED = r"""
 import ctypes, json, logging, resource, sys
-from moe_l2_common.gguf_index import load_index
+from moe_l2_gguf.index import load_index
 from moe_l2_cache.residency import ExpertPool
 
 # drop CAP_IPC_LOCK (bit 14) from the effective set: mlock is then bound by RLIMIT_MEMLOCK, even for root

@@ -14,11 +14,11 @@ import pytest
 
 from moe_l2_cache.keyspace import audit
 from moe_l2_cache.policy.profile import fit_profile, transition_counts
+from moe_l2_cache.redis_keys import RedisKeys
 from moe_l2_cache.skips import SkipCounter
 from moe_l2_cache.transitions import cache_transitions, pair_layers, parse_field
-from moe_l2_common.domains import UNTAGGED
-from moe_l2_common.gguf_index import ExpertIndex
-from moe_l2_common.redis_keys import RedisKeys
+from moe_l2_contracts.domains import UNTAGGED
+from moe_l2_gguf.index import ExpertIndex
 
 from .conftest import RedisServer
 from .test_flywheel import index as index  # the module's fixture

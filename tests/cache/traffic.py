@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from moe_l2_common.domains import DEFAULT_DOMAINS
+from moe_l2_contracts.domains import DEFAULT_DOMAINS
 from tests.metrics import sample_sum
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
 from typing import Any
 
-from moe_l2_common.services import PROXY
-from moe_l2_common.services import SERVICES as MOE_L2_SERVICES
+from moe_l2_contracts.services import PROXY
+from moe_l2_contracts.services import SERVICES as MOE_L2_SERVICES
 from tests.compose.dockerfiles import image_is_pinned
 from tests.compose.loading import variables
 from tests.compose.shapes import as_argv, as_dict, flag_value, healthcheck_argv, mounts, published_ports
@@ -25,8 +27,10 @@ EXTRAS = {"proxy": "proxy", "predictor": "predictor", "cache-manager": "cache"}
 CUDA_ARCHITECTURES = {"61", "75", "86", "89", "90", "120"}
 # Redis has no /metrics of its own; every other long-running service is scraped.
 SCRAPED = SERVICES - {"redis"} - ONE_SHOT
-# The services that hold the admin token (moe_l2_common.admin), and where the volume puts it.
-TOKEN_HOLDERS = {"proxy", "predictor", "cache-manager", "llama"}
+# The services that hold the admin token (moe_l2_contracts.admin), and where the volume puts it.
+# the services that read the admin token; the gateway (the one service published) and the predictor
+# call no admin endpoint, so they do not hold it
+TOKEN_HOLDERS = {"cache-manager", "llama"}
 TOKEN_FILE = "/run/moe-l2/admin-token"
 SERVICE_UID = 10001  # every moe-l2 image's USER
 
@@ -79,8 +83,8 @@ def check_llama_command(doc: dict[str, Any], model_path: str = "/models/model.gg
 
 
 def check_domains(doc: dict[str, Any]) -> None:
-    """llama accepts exactly the domains the Python services accept (moe_l2_common.domains)."""
-    from moe_l2_common.domains import known_domains
+    """llama accepts exactly the domains the Python services accept (moe_l2_contracts.domains)."""
+    from moe_l2_domains.known import known_domains
 
     services = doc["services"]
     env = as_dict(services["llama"].get("environment"))
@@ -125,10 +129,14 @@ def check_cache_manager(doc: dict[str, Any]) -> None:
     limits = (memlock, memlock) if isinstance(memlock, int) else (memlock.get("soft"), memlock.get("hard"))
     assert all(int(x) == -1 for x in limits), f"memlock must be unlimited, not {memlock}"
     assert as_argv(cache.get("command")) == ["python", "-m", "moe_l2_cache"]
-    env = as_dict(cache.get("environment"))
+    check_cache_manager_env(as_dict(cache.get("environment")))
+
+
+def check_cache_manager_env(env: dict[str, str], llama_url: str = "http://llama:11436") -> None:
+    """What the cache-manager must be told, wherever it runs (compose, tests/kubernetes)."""
     assert env.get("MOE_L2_REDIS_URL") == "redis://redis:6379/0"
-    assert env.get("MOE_L2_LLAMA_URL") == "http://llama:11436"
-    assert int(env.get("MOE_L2_POOL_BYTES", "0")) > 0
+    assert env.get("MOE_L2_LLAMA_URL") == llama_url
+    assert int(env.get("MOE_L2_CACHE_POOL_BYTES", "0")) > 0
     assert env.get("MOE_L2_MODEL_PATH")
 
 
@@ -264,3 +272,20 @@ def check_schema(doc: dict[str, Any], schema: dict[str, Any]) -> None:
         validator_cls = jsonschema.validators.validator_for(schema)
     errors = sorted(validator_cls(schema).iter_errors(doc), key=lambda e: list(e.absolute_path))
     assert not errors, "\n".join(f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in errors[:10])
+
+
+def run_llama_entrypoint(
+    llama: dict[str, Any], tmp_path: Path, extra_env: dict[str, str]
+) -> subprocess.CompletedProcess[str]:
+    """llama's entrypoint + command (a compose service's fields), run by a real sh with a stand-in
+    llama-server that prints what it got."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    stand_in = bin_dir / "llama-server"
+    stand_in.write_text(
+        '#!/bin/sh\necho "token=$LLAMA_MOE_ADMIN_TOKEN"\necho "domains=$LLAMA_MOE_DOMAINS"\necho "args=$*"\n'
+    )
+    stand_in.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", **as_dict(llama.get("environment")), **extra_env}
+    argv = as_argv(llama["entrypoint"]) + as_argv(llama["command"])
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30)

@@ -39,6 +39,7 @@ from tests.compose.checks import (
     check_schema,
     check_services,
     check_variables,
+    run_llama_entrypoint,
 )
 from tests.compose.loading import COMPOSE, COMPOSE_CPU, ROOT, interpolate
 from tests.compose.shapes import as_argv, as_dict, flag_value, published_ports
@@ -70,7 +71,9 @@ def test_cpu_override_drops_the_gpu(doc_cpu: dict[str, Any]) -> None:
 
 def test_llama_command(doc: dict[str, Any], raw: dict[str, Any]) -> None:
     check_llama_command(doc)
-    custom = interpolate(raw, {"MOE_L2_MODEL_PATH": "/models/qwen/q-00001-of-00003.gguf", "MOE_L2_N_CPU_MOE": "20"})
+    custom = interpolate(
+        raw, {"MOE_L2_MODEL_PATH": "/models/qwen/q-00001-of-00003.gguf", "MOE_L2_LLAMA_N_CPU_MOE": "20"}
+    )
     check_llama_command(custom, model_path="/models/qwen/q-00001-of-00003.gguf")
     check_models_mount(custom)
     assert as_dict(custom["services"]["llama"]["environment"])["LLAMA_ARG_N_CPU_MOE"] == "20"
@@ -94,25 +97,14 @@ def test_domains_and_alias(doc: dict[str, Any], raw: dict[str, Any]) -> None:
     check_domains(doc)
     argv = as_argv(doc["services"]["llama"]["command"])
     assert flag_value(argv, "--alias") == "moe-l2"
-    named = interpolate(raw, {"MOE_L2_MODEL_ALIAS": "qwen3-30b-a3b"})["services"]["llama"]
+    named = interpolate(raw, {"MOE_L2_LLAMA_MODEL_ALIAS": "qwen3-30b-a3b"})["services"]["llama"]
     assert flag_value(as_argv(named["command"]), "--alias") == "qwen3-30b-a3b"
 
 
 def _run_llama_entrypoint(
     doc: dict[str, Any], tmp_path: Path, extra_env: dict[str, str]
 ) -> subprocess.CompletedProcess[str]:
-    """llama's entrypoint + command, run by a real sh with a stand-in llama-server that prints what it got."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir(exist_ok=True)
-    stand_in = bin_dir / "llama-server"
-    stand_in.write_text(
-        '#!/bin/sh\necho "token=$LLAMA_MOE_ADMIN_TOKEN"\necho "domains=$LLAMA_MOE_DOMAINS"\necho "args=$*"\n'
-    )
-    stand_in.chmod(0o755)
-    llama = doc["services"]["llama"]
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", **as_dict(llama.get("environment")), **extra_env}
-    argv = as_argv(llama["entrypoint"]) + as_argv(llama["command"])
-    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30)
+    return run_llama_entrypoint(doc["services"]["llama"], tmp_path, extra_env)
 
 
 def test_llama_entrypoint_reads_the_token(doc: dict[str, Any], raw: dict[str, Any], tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ def test_dockerfiles(doc: dict[str, Any], doc_cpu: dict[str, Any]) -> None:
 @pytest.mark.parametrize("service", sorted(PYTHON_SERVICES))
 def test_python_dockerfiles(service: str, doc: dict[str, Any]) -> None:
     text = (ROOT / "services" / service / "Dockerfile").read_text()
-    assert "pip wheel --no-deps" in text, "the image installs the wheel built from the repository"
+    assert "pip wheel --no-deps --no-build-isolation" in text, "the image installs the wheel built from the repository"
     assert f"[{EXTRAS[service]}]" in text, f"the image installs moe-l2[{EXTRAS[service]}]"
     stages = parse_dockerfile(text)
     assert len(stages) >= 2, "multi-stage: build in one stage, run from a clean one"
@@ -43,11 +43,50 @@ def test_python_dockerfiles(service: str, doc: dict[str, Any]) -> None:
     assert EXTRAS[service] in extras
 
 
-def test_predictor_pins_torch() -> None:
+def _pip_installs(text: str) -> list[str]:
+    """Every `pip install` of the Dockerfile's RUN instructions, with its arguments."""
+    runs = [rest for stage in parse_dockerfile(text) for instr, rest in stage.instructions if instr == "RUN"]
+    return [m.group(0) for run in runs for m in re.finditer(r"pip install\b[^;&|]*", run)]
+
+
+def test_pip_installs_come_from_the_lock_files() -> None:
+    """Each Python image installs its extra's lock with --require-hashes (the lock file COPYed first,
+    in a layer of its own), and nothing else that pip would resolve: the wheel goes in --no-deps."""
+    for service, extra in EXTRAS.items():
+        text = (ROOT / "services" / service / "Dockerfile").read_text()
+        lock = f"requirements/{extra}.txt"
+        assert (ROOT / lock).is_file(), lock
+        installs = _pip_installs(text)
+        hashed = [i for i in installs if "--require-hashes" in i]
+        assert hashed and all(f"-r {lock}" in i for i in hashed), f"{service}: {installs}"
+        assert all("--require-hashes" in i or "--no-deps" in i for i in installs), f"{service}: {installs}"
+        # the lock is in the image before the install that reads it, and before the source
+        copies = [rest for stage in parse_dockerfile(text) for instr, rest in stage.instructions if instr == "COPY"]
+        at = next(i for i, rest in enumerate(copies) if lock in rest.split())
+        assert at < copies.index(". ."), f"{service}: the lock is COPYed after the source"
+
+
+def test_a_pip_install_outside_the_lock_is_caught() -> None:
+    text = (ROOT / "services" / "proxy" / "Dockerfile").read_text()
+    assert len(_pip_installs(text)) == 2
+    unlocked = text.replace('--no-deps "$(ls', '"$(ls')
+    assert any("--require-hashes" not in i and "--no-deps" not in i for i in _pip_installs(unlocked))
+
+
+def test_predictor_torch_cpu_or_cuda() -> None:
+    """torch comes from the lock: with TORCH_FIND_LINKS the local CPU build (torch-cpu.txt selects
+    it), without it PyPI's and its CUDA libraries (torch-cuda.txt); no version of its own."""
     text = (ROOT / "services" / "predictor" / "Dockerfile").read_text()
-    assert re.search(r"torch==(\d+\.\d+\.\d+|\$\{TORCH_VERSION\})", text)
-    if "${TORCH_VERSION}" in text:
-        assert re.search(r"ARG TORCH_VERSION=\d+\.\d+\.\d+", text)
+    assert "TORCH_VERSION" not in text and "torch==" not in text
+    (install,) = _pip_installs(text)[:1]
+    run = next(rest for stage in parse_dockerfile(text) for instr, rest in stage.instructions if install in rest)
+    assert re.search(
+        r'-n "\$TORCH_FIND_LINKS" \]; then\s+set -- --find-links "\$TORCH_FIND_LINKS" -c requirements/torch-cpu.txt;',
+        run,
+    )
+    assert "else set -- -r requirements/torch-cuda.txt;" in re.sub(r"\s+", " ", run)
+    for name in ("torch-cpu", "torch-cuda"):
+        assert (ROOT / "requirements" / f"{name}.txt").is_file()
 
 
 def test_llama_dockerfile(doc: dict[str, Any]) -> None:
@@ -105,12 +144,18 @@ def test_dockerignore() -> None:
     for needed in (
         "pyproject.toml",
         "README.md",
-        "shared/moe_l2_common/__init__.py",
+        "shared/moe_l2_contracts/__init__.py",
+        "ops/moe_l2_ops/__init__.py",
         "services/proxy/moe_l2_proxy/__init__.py",
         "services/predictor/moe_l2_predictor/__init__.py",
         "services/cache-manager/moe_l2_cache/__init__.py",
         "services/llama/moe_l2_llama/build.py",
         "services/llama/patches/0001-routing-telemetry.patch",
+        "requirements/proxy.txt",
+        "requirements/cache.txt",
+        "requirements/predictor.txt",
+        "requirements/torch-cpu.txt",
+        "requirements/torch-cuda.txt",
     ):
         assert not _dockerignore_excludes(patterns, needed), f".dockerignore drops {needed}"
     for dropped in (".git/HEAD", ".venv/bin/python", "models/model.gguf", "x/__pycache__/y.pyc"):

@@ -127,8 +127,12 @@ COMPOSE_MUTATIONS: dict[str, tuple[_Check, _Check]] = {
         _edit("services", "cache-manager", "volumes", 1, value="admin-token:/run/moe-l2"),
         check_admin_token,
     ),
-    "proxy starts before the token exists": (
-        _edit("services", "proxy", "depends_on", "admin-token"),
+    "cache-manager starts before the token exists": (
+        _edit("services", "cache-manager", "depends_on", "admin-token"),
+        check_admin_token,
+    ),
+    "the published gateway gets the token": (
+        _edit("services", "proxy", "volumes", value=["admin-token:/run/moe-l2:ro"]),
         check_admin_token,
     ),
     "token on a bind mount": (

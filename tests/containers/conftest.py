@@ -163,7 +163,7 @@ def stack(engine: Engine, torch_find_links: str, tmp_path_factory: pytest.TempPa
         MOE_L2_TEST_TORCH_FIND_LINKS=torch_find_links,
         MOE_L2_TEST_MEMLOCK=_memlock_limit(),
         # small: the demo model needs little, and the llama container must not reserve GiBs
-        MOE_L2_CTX_SIZE="4096",
+        MOE_L2_LLAMA_CTX_SIZE="4096",
     )
     env.pop("COMPOSE_FILE", None)
     env.pop("COMPOSE_PROJECT_NAME", None)

@@ -13,13 +13,16 @@ import time
 import httpx
 import ollama
 import openai
+from packaging.utils import canonicalize_name
 
-from moe_l2_common.admin import ADMIN_TOKEN_HEADER
-from moe_l2_common.stats import parse_metrics
+from moe_l2_contracts.admin import ADMIN_TOKEN_HEADER
+from moe_l2_ops.stats import parse_metrics
+from tests.compose.checks import EXTRAS
+from tests.test_lock import lock
 
 from .conftest import PREDICTORS, PROJECT, UP_SERVICES, Stack
 
-MODEL = "moe-l2"  # compose.yaml's MOE_L2_MODEL_ALIAS default
+MODEL = "moe-l2"  # compose.yaml's MOE_L2_LLAMA_MODEL_ALIAS default
 PROMPTS = (
     "Solve for x: 3x + 7 = 22, and show each step of the algebra.",
     "Translate 'good morning, how are you today' into French and German.",
@@ -75,6 +78,28 @@ def test_only_the_gateway_is_published_on_loopback(stack: Stack) -> None:
         if p.get("PublishedPort")
     }
     assert published == {("proxy", "127.0.0.1", stack.port, 11435)}
+
+
+INSTALLED = """
+import json, platform
+from importlib import metadata
+print(json.dumps({"python": platform.python_version(),
+                  "dists": {d.metadata["Name"]: d.version for d in metadata.distributions()}}))
+"""
+
+
+def test_the_python_images_run_their_lock(stack: Stack) -> None:
+    """Each Python image holds exactly its lock's packages at the lock's versions (requirements/,
+    docs/dependencies.md), plus the project and the venv's pip."""
+    for service, extra in EXTRAS.items():
+        found = json.loads(stack.python_in(service, INSTALLED))
+        python = found["python"]
+        locked = {p.name: p.version for p in lock(extra) if p.applies(python)}
+        # torch is the local CPU build here (2.13.0+cpu), the lock's 2.13.0
+        installed = {canonicalize_name(n): v.split("+")[0] for n, v in found["dists"].items()}
+        installed.pop("moe-l2")
+        installed.pop("pip")
+        assert installed == locked, f"{service} (Python {python}) differs from requirements/{extra}.txt"
 
 
 def test_the_llama_image_runs_the_patched_server(stack: Stack) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import schemathesis
 
-from moe_l2_common.supervisor import ServiceSpec, Supervisor, free_port, http_ok
+from moe_l2_ops.supervisor import ServiceSpec, Supervisor, free_port, http_ok
 from tests.conftest import LlamaServer
 
 REPORT_ENV = "MOE_L2_FUZZ_REPORT"
@@ -125,7 +125,7 @@ def fuzz_gateway(fuzz_supervisor: Supervisor, fuzz_llama: LlamaServer, fuzz_pred
                 "MOE_L2_PROXY_PORT": str(port),
                 "MOE_L2_LLAMA_URL": fuzz_llama.url,
                 "MOE_L2_PREDICTOR_URLS": fuzz_predictor,
-                "MOE_L2_PREDICT_BUDGET_MS": "500",
+                "MOE_L2_PROXY_PREDICT_BUDGET_MS": "500",
                 "MOE_L2_CACHE_URL": "",
             },
             health=http_ok(f"{base}/healthz"),

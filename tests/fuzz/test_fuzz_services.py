@@ -16,7 +16,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 
-from moe_l2_common.domains import known_domains
+from moe_l2_domains.known import known_domains
 from moe_l2_predictor.app import create_app
 from moe_l2_proxy.openapi import build_document
 from tests.fuzz.conftest import FuzzCounts, examples

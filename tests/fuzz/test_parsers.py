@@ -15,10 +15,11 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from moe_l2_common.domains import DOMAIN_TAG, known_domains
-from moe_l2_common.schemas.ollama import ChatRequest, GenerateRequest, Message, Options, ToolCall, ToolFunctionCall
-from moe_l2_common.schemas.openai import FunctionCall
-from moe_l2_common.schemas.openai import ToolCall as OpenAIToolCall
+from moe_l2_contracts.domains import DOMAIN_TAG
+from moe_l2_contracts.schemas.ollama import ChatRequest, GenerateRequest, Message, Options, ToolCall, ToolFunctionCall
+from moe_l2_contracts.schemas.openai import FunctionCall
+from moe_l2_contracts.schemas.openai import ToolCall as OpenAIToolCall
+from moe_l2_domains.known import known_domains
 from moe_l2_proxy.domain import DomainHeader
 from moe_l2_proxy.errors import GatewayError
 from moe_l2_proxy.ollama_translate import (

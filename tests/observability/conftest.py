@@ -17,8 +17,8 @@ import httpx
 import pytest
 import yaml
 
-from moe_l2_common.stack import StackSettings, python_service, resolve_model, stack_admin_token, stack_services
-from moe_l2_common.supervisor import RunningService, ServiceSpec, Supervisor, free_port
+from moe_l2_ops.stack import StackSettings, python_service, resolve_model, stack_admin_token, stack_services
+from moe_l2_ops.supervisor import RunningService, ServiceSpec, Supervisor, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS_YML = ROOT / "services" / "prometheus" / "prometheus.yml"
@@ -58,9 +58,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory, llama_binary: Path) -> Itera
         "MOE_L2_STATE_DIR": str(state),
         "MOE_L2_LLAMA_SERVER": str(llama_binary),
         # small and quick: the flywheel pulls every second so its counters move during the test
-        "MOE_L2_POOL_BYTES": str(256 << 20),
-        "MOE_L2_PULL_INTERVAL_S": "1",
-        "MOE_L2_DWELL_S": "0",
+        "MOE_L2_CACHE_POOL_BYTES": str(256 << 20),
+        "MOE_L2_CACHE_PULL_INTERVAL_S": "1",
+        "MOE_L2_CACHE_DWELL_S": "0",
+        # the tests read what the predictor decided: its 50 ms default budget, missed on a loaded
+        # machine, would turn answers into keyword fallbacks (test_stats_json saw only "fallback")
+        "MOE_L2_PROXY_PREDICT_BUDGET_MS": "5000",
     }
     with pytest.MonkeyPatch.context() as mp:
         for key in [k for k in os.environ if k.startswith("MOE_L2_")]:

@@ -18,9 +18,9 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 
-from moe_l2_common.gpu import METRIC_NAMES as GPU_METRICS
-from moe_l2_common.gpu import GpuCollector, GpuStats
-from moe_l2_common.stats import parse_metrics
+from moe_l2_cache.gpu import METRIC_NAMES as GPU_METRICS
+from moe_l2_cache.gpu import GpuCollector, GpuStats
+from moe_l2_ops.stats import parse_metrics
 from tests.observability.conftest import SCRAPE_INTERVAL_S, LocalStack, Prometheus, restart
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -285,7 +285,7 @@ def test_dashboard_structure(stack: LocalStack, prometheus: Prometheus, scraped:
 def moe_l2(stack: LocalStack, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOE_L2_")} | stack.env
     return subprocess.run(
-        [sys.executable, "-m", "moe_l2_common.cli", *args], env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "moe_l2_ops.cli", *args], env=env, capture_output=True, text=True, timeout=timeout
     )
 
 
@@ -327,7 +327,7 @@ def test_stats_without_services_fails(stack: LocalStack) -> None:
     env |= {f"MOE_L2_{n}_URL": "http://127.0.0.1:9" for n in ("PROXY", "LLAMA", "CACHE")}
     env["MOE_L2_PREDICTOR_URLS"] = "http://127.0.0.1:9"
     result = subprocess.run(
-        [sys.executable, "-m", "moe_l2_common.cli", "stats", "--sample", "0"],
+        [sys.executable, "-m", "moe_l2_ops.cli", "stats", "--sample", "0"],
         env=env,
         capture_output=True,
         text=True,

@@ -3,7 +3,6 @@ and the benchmark's building blocks behave on the real routing data when it is t
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -14,7 +13,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from moe_l2_cache.policy import DEFAULT_POLICY, POLICY_NAMES, make_policy
+from moe_l2_cache.policy import DEFAULT_POLICY, POLICY_NAMES
+from tests.benches import load_bench
 
 ROOT = Path(__file__).resolve().parents[2]
 STUDY = ROOT / "docs" / "cache-policy-study.md"
@@ -37,10 +37,8 @@ def test_the_cache_manager_runs_the_documented_policy_by_default(monkeypatch):
     from moe_l2_cache.settings import CacheSettings
 
     monkeypatch.delenv("MOE_L2_CACHE_POLICY", raising=False)
-    assert CacheSettings().cache_policy in (None, DEFAULT_POLICY)
-    name, policy = _make_policy(
-        CacheSettings().cache_policy, SimpleNamespace(n_layer=4, n_expert=16, n_expert_used=2), 4
-    )
+    assert CacheSettings().policy in (None, DEFAULT_POLICY)
+    name, policy = _make_policy(CacheSettings().policy, SimpleNamespace(n_layer=4, n_expert=16, n_expert_used=2), 4)
     # The documented default, built without transition tables (the pool learns none): the hybrid,
     # and the name it reports says so.
     assert documented_default() == DEFAULT_POLICY
@@ -65,11 +63,7 @@ def routing_data() -> Path:
 def bench():
     if not (routing_data() / "deepseek-ai__ESFT" / "esft_routing_ids_DERIVED.npz").is_file():
         pytest.skip(f"routing data absent at {routing_data()} (set MOE_L2_ROUTING_DATA)")
-    spec = importlib.util.spec_from_file_location("cache_policies", ROOT / "bench" / "cache_policies.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["cache_policies"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("cache_policies")
 
 
 def test_esft_split_is_held_out_and_interleaved(bench):
@@ -96,7 +90,7 @@ def test_esft_domain_hot_sets_beat_other_domains_sets_held_out(bench):
         test = trace.experts[np.isin(trace.seq, test_seqs) & (trace.domain == domain)][:1500]
         rates = {}
         for label in (domain, other):
-            policy = make_policy("static_domain", 26, 64, 16, **profile.as_kwargs())
+            policy = bench.make_study_policy("static_domain", 26, 64, 16, **profile.as_kwargs())
             policy.on_domain(label)
             rates[label] = sum(int(policy.access_token(t).sum()) for t in test) / test.size
         assert rates[domain] > 0.40 and rates[other] < 0.36 and rates[domain] > rates[other] + 0.1, rates
@@ -111,7 +105,7 @@ def test_esft_belady_bounds_lru_and_prefetch_precision_is_real(bench):
     rates = {}
     for name in ("lru", "xlayer_prefetch", "belady"):
         kwargs = {**profile.as_kwargs(), "future": short.experts}
-        policy = make_policy(name, 26, 64, 16, **kwargs)
+        policy = bench.make_study_policy(name, 26, 64, 16, **kwargs)
         rates[name] = bench.replay(policy, short, short.domain, trace.domains())
     assert rates["belady"]["hit_rate"] > rates["lru"]["hit_rate"] + 0.1
     assert rates["belady"]["loads_per_token"] < rates["lru"]["loads_per_token"]

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from moe_l2_common.keywords import KeywordClassifier
-from moe_l2_common.taxonomy import Taxonomy, load_default_taxonomy
+from moe_l2_domains.keywords import KeywordClassifier
+from moe_l2_domains.taxonomy import Taxonomy, load_default_taxonomy
 from moe_l2_predictor.predictor import Predictor
 from moe_l2_predictor.settings import PredictorSettings
 

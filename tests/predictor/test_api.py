@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 from fastapi.testclient import TestClient
 
-from moe_l2_common.schemas.predict import PredictBatchResponse, PredictResponse
+from moe_l2_contracts.schemas.predict import PredictBatchResponse, PredictResponse
 from moe_l2_predictor.app import create_app
 from moe_l2_predictor.settings import PredictorSettings
 from tests.fuzz.schema_refs import request_validator, unresolved

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_l2_common.cli import main as cli
+from moe_l2_ops.cli import main as cli
 
 pytestmark = pytest.mark.slow
 

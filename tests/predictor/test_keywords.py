@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from moe_l2_common.keywords import KeywordClassifier, KeywordPrediction
-from moe_l2_common.taxonomy import parse_taxonomy
+from moe_l2_domains.keywords import KeywordClassifier, KeywordPrediction
+from moe_l2_domains.taxonomy import parse_taxonomy
 
 # Clear cases: one per domain and language where it applies.
 CLEAR = [

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from moe_l2_common.lang import detect_lang, strip_code
+from moe_l2_domains.lang import detect_lang, strip_code
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from moe_l2_common.schemas.predict import ChatMessage, PredictRequest
+from moe_l2_contracts.schemas.predict import ChatMessage, PredictRequest
 from moe_l2_predictor.prompt import CONTEXT_WEIGHT, clip, from_messages, from_request, from_text
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from moe_l2_common.supervisor import RunningService, ServiceSpec, Supervisor, free_port, http_ok
+from moe_l2_ops.supervisor import RunningService, ServiceSpec, Supervisor, free_port, http_ok
 from tests.metrics import sample_sum
 from tests.predictor.conftest import HELDOUT
 
@@ -74,8 +74,8 @@ def test_a_replica_dies_mid_run(llama, supervisor: Supervisor, predictor_cache: 
                 "MOE_L2_PREDICTOR_URLS": ",".join(urls),
                 "MOE_L2_CACHE_URL": "",
                 # generous on a shared 2-core machine: this test is about failover, not speed
-                "MOE_L2_PREDICT_BUDGET_MS": "5000",
-                "MOE_L2_PREDICTOR_COOLDOWN_S": "60",
+                "MOE_L2_PROXY_PREDICT_BUDGET_MS": "5000",
+                "MOE_L2_PROXY_PREDICTOR_COOLDOWN_S": "60",
             },
             health=http_ok(f"{gateway}/healthz"),
             url=gateway,

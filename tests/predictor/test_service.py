@@ -12,7 +12,7 @@ import httpx
 import pytest
 import yaml
 
-from moe_l2_common.supervisor import ServiceSpec, Supervisor, free_port, http_ok
+from moe_l2_ops.supervisor import ServiceSpec, Supervisor, free_port, http_ok
 from moe_l2_predictor.predictor import Predictor
 from moe_l2_predictor.prompt import from_text
 from moe_l2_predictor.settings import PredictorSettings
@@ -208,7 +208,7 @@ def test_health_shows_names_and_digests_never_host_paths(supervisor: Supervisor,
     shipped = start(supervisor, tmp_path / "cache2", MOE_L2_PREDICTOR_TIERS="keyword")
     shipped_text = httpx.get(f"{shipped}/healthz").text
     assert httpx.get(f"{shipped}/healthz").json()["taxonomy"]["name"] == "shipped"
-    assert "site-packages" not in shipped_text and "/work/" not in shipped_text and "moe_l2_common" not in shipped_text
+    assert "site-packages" not in shipped_text and "/work/" not in shipped_text and "moe_l2_domains" not in shipped_text
 
 
 def test_a_client_leaving_mid_body_is_a_499_without_a_stack_trace(supervisor: Supervisor, tmp_path: Path) -> None:

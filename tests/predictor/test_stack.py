@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from moe_l2_common.stack import StackSettings, stack_services
-from moe_l2_predictor.stack import predictor_services, predictor_urls
+from moe_l2_ops.predictor_replicas import predictor_services, predictor_urls
+from moe_l2_ops.stack import StackSettings, stack_services
 
 
 def test_one_predictor_by_default(monkeypatch: pytest.MonkeyPatch) -> None:

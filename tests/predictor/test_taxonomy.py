@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from moe_l2_common.domains import DEFAULT_DOMAINS
-from moe_l2_common.lang import detect_lang
-from moe_l2_common.taxonomy import TaxonomyError, load_taxonomy, parse_taxonomy
+from moe_l2_contracts.domains import DEFAULT_DOMAINS
+from moe_l2_domains.lang import detect_lang
+from moe_l2_domains.taxonomy import TaxonomyError, load_taxonomy, parse_taxonomy
 from tests.predictor.conftest import HELDOUT
 
 # Domains whose prompts may be Chinese: all but the ones chinese_tech absorbs in Chinese.

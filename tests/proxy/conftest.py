@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from moe_l2_common.demo_model import DemoModelSpec, make_demo_model
-from moe_l2_common.supervisor import ServiceSpec, Supervisor, free_port, http_ok
+from moe_l2_gguf.demo_model import DemoModelSpec, make_demo_model
+from moe_l2_ops.supervisor import ServiceSpec, Supervisor, free_port, http_ok
 from tests.conftest import LlamaServer
 from tests.proxy.support import (
     BlackHole,

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import httpx
 
-from moe_l2_common.supervisor import ServiceSpec, Supervisor, http_ok
-from moe_l2_llama.service import llama_service_spec
 from moe_l2_llama.settings import LlamaSettings
+from moe_l2_ops.llama_service import llama_service_spec
+from moe_l2_ops.supervisor import ServiceSpec, Supervisor, http_ok
 from tests.metrics import sample_sum
 
 
@@ -87,12 +87,12 @@ def llama_spec(
 ) -> Callable[[int], ServiceSpec]:
     def spec(port: int) -> ServiceSpec:
         settings = LlamaSettings(
-            llama_port=port,
+            port=port,
             parallel=parallel,
             ctx_size=ctx_size,
             telemetry=True,
             threads=1,  # see gateway_llamas in conftest.py
-            llama_extra_args=extra_args,
+            extra_args=extra_args,
         )
         return llama_service_spec(name, binary, model, settings)
 

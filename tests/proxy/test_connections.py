@@ -30,9 +30,9 @@ PATIENCE_S = 20  # how long a test waits for the gateway to act: generous, and f
 def guarded(start_gateway, llama32) -> GatewayProc:
     return start_gateway(
         llama32.url,
-        MOE_L2_HEADER_TIMEOUT_S=str(TIMEOUT_S),
-        MOE_L2_BODY_TIMEOUT_S=str(TIMEOUT_S),
-        MOE_L2_MAX_HEADER_BYTES="4096",
+        MOE_L2_PROXY_HEADER_TIMEOUT_S=str(TIMEOUT_S),
+        MOE_L2_PROXY_BODY_TIMEOUT_S=str(TIMEOUT_S),
+        MOE_L2_PROXY_MAX_HEADER_BYTES="4096",
     )
 
 
@@ -123,7 +123,7 @@ def test_a_slow_body_that_keeps_coming_is_served(guarded):
 def test_long_answers_and_idle_keep_alive_are_not_cut(guarded, start_gateway, long_llama):
     """No timeout runs while the gateway works on a read request, nor between requests on a
     kept-alive connection (uvicorn's keep-alive timeout, 75 s, governs that)."""
-    gw = start_gateway(long_llama.url, MOE_L2_HEADER_TIMEOUT_S="1", MOE_L2_BODY_TIMEOUT_S="1")
+    gw = start_gateway(long_llama.url, MOE_L2_PROXY_HEADER_TIMEOUT_S="1", MOE_L2_PROXY_BODY_TIMEOUT_S="1")
     body = json.dumps(chat_body("a long answer", max_tokens=4000, ignore_eos=True)).encode()
     with connect(gw.url) as sock:
         t0 = time.monotonic()
@@ -139,7 +139,7 @@ def test_long_answers_and_idle_keep_alive_are_not_cut(guarded, start_gateway, lo
 
 def test_connections_beyond_the_limit_get_503(start_gateway, llama32):
     limit = 8
-    gw = start_gateway(llama32.url, MOE_L2_MAX_CONNECTIONS=str(limit))
+    gw = start_gateway(llama32.url, MOE_L2_PROXY_MAX_CONNECTIONS=str(limit))
     held: list[socket.socket] = []
     try:
         for _ in range(limit):  # kept-alive connections, each served once
@@ -150,7 +150,7 @@ def test_connections_beyond_the_limit_get_503(start_gateway, llama32):
         with connect(gw.url) as extra:
             extra.sendall(raw_request("POST", "/v1/chat/completions", json.dumps(chat_body()).encode()))
             error = closed_with(extra, 503)["error"]
-            assert error["code"] == "too_many_connections" and "MOE_L2_MAX_CONNECTIONS=8" in error["message"]
+            assert error["code"] == "too_many_connections" and "MOE_L2_PROXY_MAX_CONNECTIONS=8" in error["message"]
         with connect(gw.url) as extra:
             extra.sendall(raw_request("GET", "/api/tags"))
             data, closed = read_until_closed(extra, PATIENCE_S)

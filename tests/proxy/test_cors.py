@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_l2_common.supervisor import free_port
+from moe_l2_ops.supervisor import free_port
 from tests.proxy.support import GatewayProc, chat_body
 
 pytestmark = pytest.mark.llama
@@ -109,7 +109,7 @@ def test_preflights_are_answered_by_the_gateway(cors_gateway, path):
 
 
 def test_preflights_need_no_api_key_but_requests_do(start_gateway, llama32):
-    gw = start_gateway(llama32.url, MOE_L2_API_KEYS="secret")
+    gw = start_gateway(llama32.url, MOE_L2_PROXY_API_KEYS="secret")
     origin = {"Origin": "http://localhost:3000"}
     preflight = gw.client.options("/v1/chat/completions", headers={**origin, "Access-Control-Request-Method": "POST"})
     assert preflight.status_code == 204
@@ -121,13 +121,13 @@ def test_preflights_need_no_api_key_but_requests_do(start_gateway, llama32):
 
 
 def test_moe_l2_origins_adds_origins(start_gateway, llama32):
-    gw = start_gateway(llama32.url, MOE_L2_ORIGINS="https://*.example.com, https://chat.example.org")
+    gw = start_gateway(llama32.url, MOE_L2_PROXY_ORIGINS="https://*.example.com, https://chat.example.org")
     for origin in ("https://app.example.com", "https://chat.example.org", "http://localhost:1"):
         resp = gw.client.get("/v1/models", headers={"Origin": origin})
         assert resp.status_code == 200 and resp.headers["access-control-allow-origin"] == origin
     for origin in ("https://example.com", "http://app.example.com", "https://chat.example.org.evil"):
         assert gw.client.get("/v1/models", headers={"Origin": origin}).status_code == 403
-    every = start_gateway(llama32.url, MOE_L2_ORIGINS="*")
+    every = start_gateway(llama32.url, MOE_L2_PROXY_ORIGINS="*")
     resp = every.client.get("/v1/models", headers={"Origin": "https://anywhere.example"})
     assert resp.status_code == 200 and resp.headers["access-control-allow-origin"] == "*"
 

@@ -9,9 +9,9 @@ import httpx
 import pytest
 import yaml
 
-from moe_l2_common.domains import DEFAULT_DOMAINS
-from moe_l2_common.keywords import KeywordClassifier
-from moe_l2_common.supervisor import ServiceSpec, http_ok
+from moe_l2_contracts.domains import DEFAULT_DOMAINS
+from moe_l2_domains.keywords import KeywordClassifier
+from moe_l2_ops.supervisor import ServiceSpec, http_ok
 from tests.conftest import LlamaServer
 from tests.proxy.support import chat_body, llama_spec
 
@@ -151,7 +151,7 @@ def test_fallback_reads_the_last_user_turn(gateway):
 
 def test_predictor_answer_is_used(start_gateway, llama32, start_predictor):
     predictor = start_predictor()
-    gw = start_gateway(llama32.url, MOE_L2_PREDICTOR_URLS=predictor.url, MOE_L2_PREDICT_BUDGET_MS="2000")
+    gw = start_gateway(llama32.url, MOE_L2_PREDICTOR_URLS=predictor.url, MOE_L2_PROXY_PREDICT_BUDGET_MS="2000")
     text = "my program crashes with a segmentation fault, here is the stack trace"
     expected = gw.client.post(f"{predictor.url}/v1/predict", json={"messages": [{"role": "user", "content": text}]})
     resp = gw.client.post("/v1/chat/completions", json=chat_body(text))
@@ -165,7 +165,9 @@ def test_predictor_answer_is_used(start_gateway, llama32, start_predictor):
 
 def test_predictor_replicas_are_balanced_with_failover(start_gateway, llama32, start_predictor):
     first, second = start_predictor("predictor-a"), start_predictor("predictor-b")
-    gw = start_gateway(llama32.url, MOE_L2_PREDICTOR_URLS=f"{first.url},{second.url}", MOE_L2_PREDICT_BUDGET_MS="2000")
+    gw = start_gateway(
+        llama32.url, MOE_L2_PREDICTOR_URLS=f"{first.url},{second.url}", MOE_L2_PROXY_PREDICT_BUDGET_MS="2000"
+    )
     for _ in range(6):
         assert gw.client.post("/v1/chat/completions", json=chat_body()).headers["x-moe-domain-source"] == "predictor"
     calls = {p.url: gw.metric("moe_l2_predictor_request_seconds_count", endpoint=p.url) for p in (first, second)}
@@ -182,7 +184,7 @@ def test_predictor_replicas_are_balanced_with_failover(start_gateway, llama32, s
 def test_host_name_is_expanded_to_its_addresses(start_gateway, llama32, start_predictor):
     predictor = start_predictor()
     gw = start_gateway(
-        llama32.url, MOE_L2_PREDICTOR_URLS=f"http://localhost:{predictor.port}", MOE_L2_PREDICT_BUDGET_MS="2000"
+        llama32.url, MOE_L2_PREDICTOR_URLS=f"http://localhost:{predictor.port}", MOE_L2_PROXY_PREDICT_BUDGET_MS="2000"
     )
     endpoints = gw.client.get("/moe/stats").json()["predictor"]["endpoints"]
     assert f"http://127.0.0.1:{predictor.port}" in [e["url"] for e in endpoints]
@@ -228,7 +230,7 @@ def test_a_predicted_domain_outside_the_set_falls_back_to_the_keyword_tier(start
     path.write_text(yaml.safe_dump(doc))
     predictor = managed("other-taxonomy-predictor", other_taxonomy_predictor("other-taxonomy-predictor", str(path)))
     predictor.start()
-    gw = start_gateway(llama32.url, MOE_L2_PREDICTOR_URLS=predictor.url, MOE_L2_PREDICT_BUDGET_MS="2000")
+    gw = start_gateway(llama32.url, MOE_L2_PREDICTOR_URLS=predictor.url, MOE_L2_PROXY_PREDICT_BUDGET_MS="2000")
     text = "a recipe for bread, then write a python function that parses a csv file"
     assert httpx.post(f"{predictor.url}/v1/predict", json={"text": text}, timeout=30).json()["domain"] == "cooking"
     resp = gw.client.post("/v1/chat/completions", json=chat_body(text))

@@ -18,8 +18,8 @@ COOLDOWN_S = 3.0
 def predicting(predictor_url: str) -> dict[str, str]:
     return {
         "MOE_L2_PREDICTOR_URLS": predictor_url,
-        "MOE_L2_PREDICT_BUDGET_MS": str(BUDGET_MS),
-        "MOE_L2_PREDICTOR_COOLDOWN_S": str(COOLDOWN_S),
+        "MOE_L2_PROXY_PREDICT_BUDGET_MS": str(BUDGET_MS),
+        "MOE_L2_PROXY_PREDICTOR_COOLDOWN_S": str(COOLDOWN_S),
     }
 
 
@@ -103,7 +103,7 @@ def test_cache_manager_down_does_not_affect_chat(start_gateway, llama32):
 
 def test_hung_cache_manager_drops_hints_without_blocking(start_gateway, llama32, black_hole):
     gw = start_gateway(
-        llama32.url, MOE_L2_CACHE_URL=black_hole.url, MOE_L2_HINT_QUEUE_SIZE="2", MOE_L2_HINT_TIMEOUT_S="30"
+        llama32.url, MOE_L2_CACHE_URL=black_hole.url, MOE_L2_PROXY_HINT_QUEUE_SIZE="2", MOE_L2_PROXY_HINT_TIMEOUT_S="30"
     )
     t0 = time.perf_counter()
     for _ in range(8):
@@ -115,6 +115,6 @@ def test_hung_cache_manager_drops_hints_without_blocking(start_gateway, llama32,
 
 
 def _closed_port() -> int:
-    from moe_l2_common.supervisor import free_port
+    from moe_l2_ops.supervisor import free_port
 
     return free_port()

@@ -15,7 +15,7 @@ from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 from starlette.routing import BaseRoute
 
-from moe_l2_common.supervisor import free_port
+from moe_l2_ops.supervisor import free_port
 from moe_l2_proxy import ollama_api, openai_api, ops_api
 from moe_l2_proxy.app import create_app
 from moe_l2_proxy.dispatch import GenerationDispatch

@@ -10,7 +10,7 @@ import ollama
 import openai
 import pytest
 
-from moe_l2_common.domains import known_domains
+from moe_l2_domains.known import known_domains
 from moe_l2_proxy.errors import client_mistake
 from tests.fuzz.schema_refs import request_validator, unresolved
 from tests.proxy.support import chat_body, metric_value
@@ -39,7 +39,7 @@ def test_unknown_routes_answer_in_the_api_format(gateway):
 
 
 def test_body_over_the_limit_is_413(start_gateway, llama32):
-    gw = start_gateway(llama32.url, MOE_L2_MAX_BODY_BYTES="2000")
+    gw = start_gateway(llama32.url, MOE_L2_PROXY_MAX_BODY_BYTES="2000")
     small = gw.client.post("/v1/chat/completions", json=chat_body("x" * 100))
     assert small.status_code == 200
     big = gw.client.post("/v1/chat/completions", json=chat_body("x" * 5000))
@@ -57,7 +57,7 @@ def test_body_over_the_limit_is_413(start_gateway, llama32):
 
 
 def test_api_keys(start_gateway, llama32):
-    gw = start_gateway(llama32.url, MOE_L2_API_KEYS="key-one,key-two")
+    gw = start_gateway(llama32.url, MOE_L2_PROXY_API_KEYS="key-one,key-two")
     missing = gw.client.post("/v1/chat/completions", json=chat_body())
     assert missing.status_code == 401 and missing.json()["error"]["type"] == "authentication_error"
     wrong = gw.client.post("/v1/chat/completions", json=chat_body(), headers={"Authorization": "Bearer nope"})
@@ -82,11 +82,11 @@ def test_llama_api_key_is_sent_only_towards_llama(start_gateway, managed, llama_
 
     keyed = managed("keyed-llama", llama_spec(llama_binary, demo_model, "keyed-llama", "--api-key llama-secret"))
     keyed.start()
-    without = start_gateway(keyed.url, MOE_L2_API_KEYS="client-key")
+    without = start_gateway(keyed.url, MOE_L2_PROXY_API_KEYS="client-key")
     auth = {"Authorization": "Bearer client-key"}
     # the client's own key is never forwarded: llama refuses
     assert without.client.post("/v1/chat/completions", json=chat_body(), headers=auth).status_code == 401
-    with_key = start_gateway(keyed.url, MOE_L2_API_KEYS="client-key", MOE_L2_LLAMA_API_KEY="llama-secret")
+    with_key = start_gateway(keyed.url, MOE_L2_PROXY_API_KEYS="client-key", MOE_L2_PROXY_LLAMA_API_KEY="llama-secret")
     assert with_key.client.post("/v1/chat/completions", json=chat_body(), headers=auth).status_code == 200
     assert with_key.client.get("/v1/models", headers=auth).status_code == 200
     ollama_chat = {
@@ -133,7 +133,7 @@ def test_metrics_and_stats(gateway):
 
 
 def test_prompts_are_not_logged(start_gateway, llama32):
-    gw = start_gateway(llama32.url, MOE_L2_PREDICTOR_URLS=f"http://127.0.0.1:{_free()}", MOE_L2_ACCESS_LOG="true")
+    gw = start_gateway(llama32.url, MOE_L2_PREDICTOR_URLS=f"http://127.0.0.1:{_free()}", MOE_L2_PROXY_ACCESS_LOG="true")
     secret = "zebracorn-secret-prompt"
     gw.client.post("/v1/chat/completions", json=chat_body(secret))
     gw.client.post("/v1/chat/completions", json=chat_body(secret, stream=True))
@@ -147,7 +147,7 @@ def test_prompts_are_not_logged(start_gateway, llama32):
 
 
 def _free() -> int:
-    from moe_l2_common.supervisor import free_port
+    from moe_l2_ops.supervisor import free_port
 
     return free_port()
 

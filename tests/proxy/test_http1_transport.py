@@ -10,7 +10,7 @@ import socket
 import httpx
 import pytest
 
-from moe_l2_common.supervisor import free_port
+from moe_l2_ops.supervisor import free_port
 from moe_l2_proxy.app import llama_client
 from moe_l2_proxy.errors import GatewayError
 from moe_l2_proxy.http1_transport import Http1Transport

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 
-from moe_l2_common.schemas.ollama import ChatRequest, GenerateRequest, Options
+from moe_l2_contracts.schemas.ollama import ChatRequest, GenerateRequest, Options
 from moe_l2_proxy.ollama_translate import (
     StreamTranslator,
     blocking_to_ollama,

@@ -11,7 +11,7 @@ import asyncio
 import httpx
 import pytest
 
-from moe_l2_common.schemas.predict import PredictRequest
+from moe_l2_contracts.schemas.predict import PredictRequest
 from moe_l2_proxy.metrics import GatewayMetrics
 from moe_l2_proxy.predictor_pool import Endpoint, PredictorPool, expand, resolve_all
 

@@ -173,7 +173,7 @@ def test_clients_see_the_model_name_never_a_host_path(gateway, demo_model):
 
 
 def test_the_model_alias_is_the_name_clients_see(start_gateway, managed, llama_binary, demo_model, monkeypatch):
-    monkeypatch.setenv("MOE_L2_MODEL_ALIAS", "acme-moe-7b")
+    monkeypatch.setenv("MOE_L2_LLAMA_MODEL_ALIAS", "acme-moe-7b")
     llama = managed("alias-llama", llama_spec(llama_binary, demo_model, "alias-llama"))
     llama.start()
     gw = start_gateway(llama.url)

@@ -1,6 +1,6 @@
 """Only http1_transport.py knows the fast transport: the rest of the gateway talks to httpx.AsyncClient.
 
-So going back to httpx's own transport stays one line (MOE_L2_LLAMA_TRANSPORT, or the constructor in
+So going back to httpx's own transport stays one line (MOE_L2_PROXY_LLAMA_TRANSPORT, or the constructor in
 app.py). The check reads the gateway's sources: what they import from the transport module, and
 which attributes they use. The transport's own private names (underscored) are collected from its
 source, and its class must not grow public methods beyond httpx's transport interface, so whatever

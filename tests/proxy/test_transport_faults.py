@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 import httpx
 import pytest
 
-from moe_l2_common.supervisor import free_port
+from moe_l2_ops.supervisor import free_port
 from moe_l2_proxy.http1_transport import Http1Transport
 
 TRANSPORTS: dict[str, Callable[[httpx.Limits], httpx.AsyncBaseTransport]] = {

@@ -1,4 +1,4 @@
-"""The gateway end to end with either transport towards llama (MOE_L2_LLAMA_TRANSPORT=fast|httpx).
+"""The gateway end to end with either transport towards llama (MOE_L2_PROXY_LLAMA_TRANSPORT=fast|httpx).
 
 The same requests through the official clients, the same probes, and the same answers to the same
 real faults (llama unreachable, llama's stream cut midway): the rest of the gateway only talks to
@@ -18,7 +18,7 @@ import ollama
 import openai
 import pytest
 
-from moe_l2_common.supervisor import free_port
+from moe_l2_ops.supervisor import free_port
 from tests.proxy.support import GatewayProc, chat_body
 
 pytestmark = pytest.mark.llama
@@ -28,7 +28,7 @@ TRANSPORTS = ["fast", "httpx"]
 
 @pytest.fixture(scope="module", params=TRANSPORTS)
 def gw(request: pytest.FixtureRequest, start_gateway, llama32) -> GatewayProc:
-    return start_gateway(llama32.url, MOE_L2_LLAMA_TRANSPORT=request.param)
+    return start_gateway(llama32.url, MOE_L2_PROXY_LLAMA_TRANSPORT=request.param)
 
 
 def test_openai_client_streams_and_blocks(gw):
@@ -58,7 +58,7 @@ def test_passthrough_and_probes(gw):
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_llama_unreachable_is_503_in_each_apis_format(start_gateway, transport):
-    gw = start_gateway(f"http://127.0.0.1:{free_port()}", MOE_L2_LLAMA_TRANSPORT=transport)
+    gw = start_gateway(f"http://127.0.0.1:{free_port()}", MOE_L2_PROXY_LLAMA_TRANSPORT=transport)
     v1 = gw.client.post("/v1/chat/completions", json=chat_body())
     assert v1.status_code == 503 and v1.json()["error"]["code"] == "upstream_unavailable"
     api = gw.client.post("/api/chat", json={"model": "d", "messages": [{"role": "user", "content": "hi"}]})
@@ -115,7 +115,7 @@ def cut_llama() -> Iterator[CutLlama]:
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_llama_cut_midway_is_the_same_error_with_either_transport(start_gateway, cut_llama, transport):
-    gw = start_gateway(cut_llama.url, MOE_L2_LLAMA_TRANSPORT=transport)
+    gw = start_gateway(cut_llama.url, MOE_L2_PROXY_LLAMA_TRANSPORT=transport)
     with gw.client.stream("POST", "/v1/chat/completions", json=chat_body(stream=True)) as resp:
         assert resp.status_code == 200
         text = resp.read().decode()

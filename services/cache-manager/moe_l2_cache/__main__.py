@@ -24,8 +24,8 @@ def main() -> None:
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLevelName(level)))
     uvicorn.run(
         create_app(settings),
-        host=settings.cache_host,
-        port=settings.cache_port,
+        host=settings.host,
+        port=settings.port,
         log_level=settings.log_level.lower(),
         access_log=level == "DEBUG",
     )

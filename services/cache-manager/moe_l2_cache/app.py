@@ -31,17 +31,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from moe_l2_cache.buffer import CountBuffer
 from moe_l2_cache.engine_cache import EngineCacheFeeder
 from moe_l2_cache.flywheel import Flywheel
+from moe_l2_cache.gpu import GpuCollector
 from moe_l2_cache.hints import HintController, PassThroughHints
 from moe_l2_cache.hotset import router_map_text
 from moe_l2_cache.metrics import ServiceCollector
+from moe_l2_cache.redis_keys import GLOBAL_DOMAIN, RedisKeys
 from moe_l2_cache.residency import ExpertPool, PoolError
 from moe_l2_cache.settings import CacheSettings
-from moe_l2_common.admin import ADMIN_TOKEN_HEADER, AdminTokenError, token_matches
-from moe_l2_common.domains import is_reserved
-from moe_l2_common.gguf_index import ExpertIndex, GGUFIndexError, load_index
-from moe_l2_common.gpu import GpuCollector
-from moe_l2_common.redis_keys import GLOBAL_DOMAIN, RedisKeys
-from moe_l2_common.schemas.cache import (
+from moe_l2_contracts.admin import ADMIN_TOKEN_HEADER, AdminTokenError, token_matches
+from moe_l2_contracts.domains import is_reserved
+from moe_l2_contracts.schemas.cache import (
     ExpertRange,
     ExpertRanges,
     HotSetResponse,
@@ -49,8 +48,9 @@ from moe_l2_common.schemas.cache import (
     PullResponse,
     StatsResponse,
 )
-from moe_l2_common.schemas.errors import ServiceError, error_body
-from moe_l2_common.schemas.hint import HintRequest, HintResponse
+from moe_l2_contracts.schemas.errors import ServiceError, error_body
+from moe_l2_contracts.schemas.hint import HintRequest, HintResponse
+from moe_l2_gguf.index import ExpertIndex, GGUFIndexError, load_index
 
 log = logging.getLogger("moe_l2_cache")
 
@@ -118,9 +118,7 @@ async def build_service(settings: CacheSettings) -> Service:
     keys = RedisKeys(index.model_id)
     pool, pool_problem = None, None
     try:
-        pool = await asyncio.to_thread(
-            ExpertPool, index, settings.pool_bytes, settings.cache_policy, lock=settings.pool_lock
-        )
+        pool = await asyncio.to_thread(ExpertPool, index, settings.pool_bytes, settings.policy, lock=settings.pool_lock)
     except PoolError as e:
         pool_problem = str(e)
         log.warning("expert pool disabled: %s", e)
@@ -374,7 +372,7 @@ def _routes(app: FastAPI) -> None:
 
     @app.post("/v1/pull", response_model=PullResponse, dependencies=[Depends(_admin)], responses=_ADMIN_ERRORS)
     async def pull(service: ServiceDep) -> PullResponse:
-        """Pull llama's routing counts now (the flywheel also pulls every MOE_L2_PULL_INTERVAL_S)."""
+        """Pull llama's routing counts now (the flywheel also pulls every MOE_L2_CACHE_PULL_INTERVAL_S)."""
         _, flywheel = _active(service)
         return await flywheel.pull()
 

@@ -2,7 +2,7 @@
 
 Each line is `{"domain": ..., "text": ...}`. Every prompt goes to llama-server's chat endpoint with
 its `X-MoE-Domain` tag, so llama's telemetry counts its routing under that domain; at the end the
-cache-manager is asked to pull now (otherwise its flywheel pulls within MOE_L2_PULL_INTERVAL_S).
+cache-manager is asked to pull now (otherwise its flywheel pulls within MOE_L2_CACHE_PULL_INTERVAL_S).
 Only counts are kept anywhere, never the prompts.
 """
 
@@ -20,9 +20,9 @@ from pathlib import Path
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from moe_l2_common.admin import ADMIN_TOKEN_HEADER, AdminTokenError, configured_token
-from moe_l2_common.domains import known_domains
-from moe_l2_common.services import CACHE_MANAGER, LLAMA
+from moe_l2_contracts.admin import ADMIN_TOKEN_HEADER, AdminTokenError, configured_token
+from moe_l2_contracts.services import CACHE_MANAGER, LLAMA
+from moe_l2_domains.known import known_domains
 
 
 class PromptLine(BaseModel):

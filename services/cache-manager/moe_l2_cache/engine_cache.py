@@ -7,14 +7,14 @@ requests. The cache holds only some model layers, depending on the placement (--
 N, -ot), so the feeder asks which (GET /moe/cache) and sends one row per cached layer
 (POST /moe/cache/profile, `freq`).
 
-Every table is sent again each interval (MOE_L2_ENGINE_PROFILE_INTERVAL_S, 30 s by default) rather
+Every table is sent again each interval (MOE_L2_CACHE_ENGINE_PROFILE_INTERVAL_S, 30 s by default) rather
 than tracking what llama holds: a table is n_layer x n_expert float32 (26 x 64 x 4 = 6.5 KB for
 DeepSeek-V2-Lite), and a llama that restarted gets its priors back within one interval.
 
 The default policy's cross-layer prefetch reads a table of transitions, P(expert b at layer l+1 | a at
 l). With LLAMA_MOE_TRANSITIONS llama counts them per domain (patch 0015), the flywheel stores them
 (transitions.py), and each round sends a domain's table with its prior once the domain has routed
-MOE_L2_ENGINE_TRANSITIONS_MIN_TOKENS tokens (1,000 by default: a table fitted on a few tokens says
+MOE_L2_CACHE_ENGINE_TRANSITIONS_MIN_TOKENS tokens (1,000 by default: a table fitted on a few tokens says
 P = 1 for whatever those tokens did, and every prefetch of a wrong guess costs a copy). Requests of
 no domain ("untagged") get theirs as the table of no domain (`domain: null`, no prior: the engine
 takes none for it); it also serves a domain without its own. A table is n_layer x n_expert^2
@@ -37,8 +37,8 @@ from redis.exceptions import RedisError
 
 from moe_l2_cache.flywheel import Flywheel
 from moe_l2_cache.transitions import cache_transitions
-from moe_l2_common.domains import UNTAGGED
-from moe_l2_common.schemas.llama import ExpertCacheProfile, ExpertCacheShape
+from moe_l2_contracts.domains import UNTAGGED
+from moe_l2_contracts.schemas.llama import ExpertCacheProfile, ExpertCacheShape
 
 log = logging.getLogger("moe_l2_cache.engine_cache")
 

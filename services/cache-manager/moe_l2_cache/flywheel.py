@@ -3,7 +3,7 @@
 llama-server counts activations per domain tag, layer and expert; `GET /moe/routing?reset=1` hands
 them over and clears them, so every pull is a delta. Deltas go through the bounded buffer into
 Redis in one transaction (with a marker, see buffer.py), where a Lua script first decays the
-domain's existing counts by MOE_L2_DECAY per MOE_L2_DECAY_TOKENS new tokens of that domain, then
+domain's existing counts by MOE_L2_CACHE_DECAY per MOE_L2_CACHE_DECAY_TOKENS new tokens of that domain, then
 adds the delta: the tables follow the traffic, and a domain without traffic keeps its table.
 After each write the hot sets of the domains written are chosen again and stored in Redis. With
 LLAMA_MOE_TRANSITIONS llama also counts which expert follows which at the next layer; those counts
@@ -34,13 +34,13 @@ from redis.exceptions import RedisError, ResponseError
 from moe_l2_cache.buffer import Batch, Cell, CountBuffer, PairCell
 from moe_l2_cache.hotset import select_hot_set, sum_tables
 from moe_l2_cache.keyspace import audit, domain_problem, is_wrong_type
+from moe_l2_cache.redis_keys import GLOBAL_DOMAIN, RedisKeys
 from moe_l2_cache.residency import ExpertPool
 from moe_l2_cache.skips import SkipCounter
 from moe_l2_cache.transitions import field_name, pair_cells, pair_layers, parse_field
-from moe_l2_common.gguf_index import ExpertIndex
-from moe_l2_common.redis_keys import GLOBAL_DOMAIN, RedisKeys
-from moe_l2_common.schemas.cache import FlywheelStats, HotSetResponse, PullResponse
-from moe_l2_common.schemas.llama import RoutingSnapshot
+from moe_l2_contracts.schemas.cache import FlywheelStats, HotSetResponse, PullResponse
+from moe_l2_contracts.schemas.llama import RoutingSnapshot
+from moe_l2_gguf.index import ExpertIndex
 
 log = logging.getLogger(__name__)
 

@@ -20,11 +20,11 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from moe_l2_cache.flywheel import Flywheel
+from moe_l2_cache.redis_keys import GLOBAL_DOMAIN, RedisKeys
 from moe_l2_cache.residency import ExpertPool
-from moe_l2_common.redis_keys import GLOBAL_DOMAIN, RedisKeys
-from moe_l2_common.schemas.cache import HintStats, HotSetResponse
-from moe_l2_common.schemas.hint import HintResponse
-from moe_l2_common.schemas.llama import HotSetRequest
+from moe_l2_contracts.schemas.cache import HintStats, HotSetResponse
+from moe_l2_contracts.schemas.hint import HintResponse
+from moe_l2_contracts.schemas.llama import HotSetRequest
 
 log = logging.getLogger(__name__)
 

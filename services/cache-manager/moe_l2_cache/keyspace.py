@@ -14,8 +14,8 @@ from collections.abc import Callable
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
+from moe_l2_cache.redis_keys import GLOBAL_DOMAIN, RedisKeys
 from moe_l2_cache.skips import SkipCounter
-from moe_l2_common.redis_keys import GLOBAL_DOMAIN, RedisKeys
 
 _FIXED = {"domains": "set", "tokens": "hash", "active": "hash", "meta": "hash"}
 _SCAN_BATCH = 1000

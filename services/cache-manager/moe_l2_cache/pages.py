@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moe_l2_common.gguf_index import ByteRange
+from moe_l2_gguf.index import ByteRange
 
 PAGE = mmap.PAGESIZE
 _MADV_PAGEOUT: int | None = getattr(mmap, "MADV_PAGEOUT", 21 if sys.platform == "linux" else None)  # Linux >= 5.4

@@ -24,8 +24,8 @@ from typing import Literal
 
 from moe_l2_cache.pages import ModelPages, PageRun, Span
 from moe_l2_cache.policy import DEFAULT_POLICY, ExpertCachePolicy, PolicyError, make_policy
-from moe_l2_common.gguf_index import ExpertIndex
-from moe_l2_common.schemas.cache import PoolStats
+from moe_l2_contracts.schemas.cache import PoolStats
+from moe_l2_gguf.index import ExpertIndex
 
 log = logging.getLogger(__name__)
 

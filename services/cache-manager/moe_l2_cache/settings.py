@@ -1,29 +1,50 @@
-"""Configuration of the cache-manager, from MOE_L2_* environment variables (compose.yaml sets the same)."""
+"""Configuration of the cache-manager: its own MOE_L2_CACHE_* variables and the stack-wide ones
+(moe_l2_contracts.env gives the convention; compose.yaml sets the same)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import ClassVar
 
 from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
-from moe_l2_common.admin import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV, configured_token
-from moe_l2_common.domains import UNTAGGED, known_domains, split_domains
-from moe_l2_common.services import CACHE_MANAGER, LLAMA
+from moe_l2_contracts.admin import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV, configured_token
+from moe_l2_contracts.domains import UNTAGGED, split_domains
+from moe_l2_contracts.env import ServiceSettings, log_level_field, renamed_before_convention, stack_wide
+from moe_l2_contracts.services import CACHE_MANAGER, LLAMA
+from moe_l2_domains.known import known_domains
 
 
-class CacheSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="MOE_L2_", extra="ignore")
+class CacheSettings(ServiceSettings):
+    model_config = SettingsConfigDict(env_prefix=CACHE_MANAGER.env_prefix, extra="ignore", populate_by_name=True)
+    renamed_env: ClassVar[Mapping[str, str]] = renamed_before_convention(
+        "pool_bytes",
+        "pool_lock",
+        "hotset_bytes",
+        "pull_interval_s",
+        "decay",
+        "decay_tokens",
+        "engine_profile_interval_s",
+        "engine_transitions_min_tokens",
+        "dwell_s",
+        "buffer_max_cells",
+        "llama_timeout_s",
+        "redis_timeout_s",
+    )
 
-    cache_host: str = "127.0.0.1"
-    cache_port: int = Field(default=CACHE_MANAGER.port, ge=1, le=65535)
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    llama_url: str = Field(default_factory=LLAMA.local_url)
-    model_path: Path | None = Field(default=None, description="the GGUF llama serves (first shard of a split model)")
+    host: str = "127.0.0.1"
+    port: int = Field(default=CACHE_MANAGER.port, ge=1, le=65535)
+    redis_url: str = stack_wide("REDIS_URL", default="redis://127.0.0.1:6379/0")
+    llama_url: str = stack_wide("LLAMA_URL", default_factory=LLAMA.local_url)
+    model_path: Path | None = stack_wide(
+        "MODEL_PATH", default=None, description="the GGUF llama serves (first shard of a split model)"
+    )
 
     pool_bytes: int = Field(default=8 << 30, ge=0, description="host-memory budget of the expert pool")
     pool_lock: bool = Field(default=True, description="mlock the pinned hot set (else prefetch only)")
-    cache_policy: str | None = Field(default=None, description="expert-cache policy; the policy package's default")
+    policy: str | None = Field(default=None, description="expert-cache policy; the policy package's default")
     hotset_bytes: int | None = Field(
         default=None, ge=0, description="byte budget of a domain's hot set; default: the pool budget"
     )
@@ -32,7 +53,10 @@ class CacheSettings(BaseSettings):
         default=5.0, ge=0, description="pull llama's routing counts this often; 0 = only on demand"
     )
     decay: float = Field(
-        default=0.5, gt=0, le=1, description="weight old counts keep per MOE_L2_DECAY_TOKENS new tokens of a domain"
+        default=0.5,
+        gt=0,
+        le=1,
+        description="weight old counts keep per MOE_L2_CACHE_DECAY_TOKENS new tokens of a domain",
     )
     decay_tokens: int = Field(default=100_000, ge=1)
     engine_profile_interval_s: float = Field(
@@ -52,14 +76,16 @@ class CacheSettings(BaseSettings):
         description="(domain, layer, expert) and expert-pair counts kept in memory while Redis is down",
     )
 
-    admin_token: str = Field(
-        default="", description="required as X-MoE-Admin-Token by the admin calls, and sent on llama's"
+    admin_token: str = stack_wide(
+        "ADMIN_TOKEN", default="", description="required as X-MoE-Admin-Token by the admin calls, and sent on llama's"
     )
-    admin_token_file: Path | None = Field(default=None, description="a file holding the admin token (compose)")
-    extra_domains: str = Field(
-        default="", description="comma-separated domains accepted beside the taxonomy's (MOE_L2_EXTRA_DOMAINS)"
+    admin_token_file: Path | None = stack_wide(
+        "ADMIN_TOKEN_FILE", default=None, description="a file holding the admin token (compose)"
     )
-    log_level: str = "info"
+    extra_domains: str = stack_wide(
+        "EXTRA_DOMAINS", default="", description="comma-separated domains accepted beside the taxonomy's"
+    )
+    log_level: str = log_level_field(CACHE_MANAGER.env_prefix)
     llama_timeout_s: float = Field(default=10.0, gt=0)
     redis_timeout_s: float = Field(default=2.0, gt=0)
 

@@ -27,7 +27,7 @@ from moe_l2_cache.buffer import PairCell
 from moe_l2_cache.keyspace import domain_problem
 from moe_l2_cache.policy.profile import transitions_from_counts
 from moe_l2_cache.skips import SkipCounter
-from moe_l2_common.schemas.llama import RoutingSnapshot
+from moe_l2_contracts.schemas.llama import RoutingSnapshot
 
 _FIELD = re.compile(r"([0-9]{1,9}):([0-9]{1,9})")
 

@@ -1,4 +1,5 @@
-"""Configuration of the llama service, from MOE_L2_* environment variables."""
+"""Configuration of the llama service: its own MOE_L2_LLAMA_* variables and the stack-wide ones
+(moe_l2_contracts.env gives the convention)."""
 
 from __future__ import annotations
 
@@ -6,36 +7,53 @@ import json
 import os
 import re
 import shlex
+from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
-from moe_l2_common.admin import configured_token
-from moe_l2_common.domains import known_domains
-from moe_l2_common.services import LLAMA
+from moe_l2_contracts.admin import configured_token
+from moe_l2_contracts.env import ServiceSettings, renamed_before_convention, stack_wide
+from moe_l2_contracts.services import LLAMA
+from moe_l2_domains.known import known_domains
 
 
-class LlamaSettings(BaseSettings):
+class LlamaSettings(ServiceSettings):
     """How llama-server is started; compose.yaml sets the same variables."""
 
-    model_config = SettingsConfigDict(env_prefix="MOE_L2_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=LLAMA.env_prefix, extra="ignore", populate_by_name=True)
+    renamed_env: ClassVar[Mapping[str, str]] = renamed_before_convention(
+        "parallel",
+        "ctx_size",
+        "threads",
+        "telemetry",
+        "n_cpu_moe",
+        "gpu_layers",
+        "cpu_repack",
+        "model_alias",
+        "expert_cache_bytes",
+        "expert_cache_policy",
+        "transitions",
+    )
 
-    model_path: Path | None = Field(default=None, description="GGUF model; a demo model is generated if unset")
-    llama_server: Path | None = Field(
+    model_path: Path | None = stack_wide(
+        "MODEL_PATH", default=None, description="GGUF model; a demo model is generated if unset"
+    )
+    server: Path | None = Field(
         default=None, description="use this llama-server binary (built with the patches) instead of building one"
     )
-    llama_host: str = "127.0.0.1"
-    llama_port: int = Field(default=LLAMA.port, ge=1, le=65535)
+    host: str = "127.0.0.1"
+    port: int = Field(default=LLAMA.port, ge=1, le=65535)
     parallel: int = Field(default=4, ge=1, le=256, description="llama-server slots (-np)")
     ctx_size: int = Field(default=4096, ge=0, description="total context over all slots (-c)")
     threads: int | None = Field(default=None, ge=1, description="CPU threads (-t), llama.cpp picks if unset")
     telemetry: bool = Field(default=True, description="per-domain routing telemetry (LLAMA_MOE_TELEMETRY)")
     n_cpu_moe: int | None = Field(default=None, ge=0, description="keep the experts of the first N layers on the CPU")
     gpu_layers: int | None = Field(default=None, description="-ngl; unset leaves llama.cpp's default")
-    llama_extra_args: str = Field(default="", description="more llama-server arguments, shell-quoted")
+    extra_args: str = Field(default="", description="more llama-server arguments, shell-quoted")
     cpu_repack: bool | None = Field(
         default=None,
         description="let the CPU backend repack weights into its own buffer types; unset: off on CPUs with "
@@ -44,13 +62,15 @@ class LlamaSettings(BaseSettings):
     model_alias: str = Field(
         default="", description="the model name clients see (default: the GGUF's general.name, else the file stem)"
     )
-    admin_token: str = Field(default="", description="required by llama's admin calls (see moe_l2_common.admin)")
+    admin_token: str = stack_wide(
+        "ADMIN_TOKEN", default="", description="required by llama's admin calls (see moe_l2_contracts.admin)"
+    )
     expert_cache_bytes: str = Field(
         default="",
         pattern=r"^(|\d+([KkMmGgTt]([Ii]?[Bb])?|[Bb])?|\d+(\.\d+)?%)$",
         description="device memory for the expert cache (--moe-cache-bytes), e.g. 4G or 512M, or a share of "
         "the device memory left free once the weights and the KV cache are placed, e.g. 70%; empty, 0 or 0%: off. "
-        "It needs a GPU build and experts kept in host memory (n_cpu_moe, or --cpu-moe in llama_extra_args)",
+        "It needs a GPU build and experts kept in host memory (n_cpu_moe, or --cpu-moe in extra_args)",
     )
     expert_cache_policy: Literal["default", "hybrid", "lru"] = Field(
         default="default", description="which experts the cache keeps (--moe-cache-policy)"
@@ -74,12 +94,12 @@ def counts_transitions(settings: LlamaSettings) -> bool:
 
 def llama_server_binary(settings: LlamaSettings) -> Path:
     """The binary to run: MOE_L2_LLAMA_SERVER if set, else the cached build (built now if missing)."""
-    if settings.llama_server is not None:
-        if not settings.llama_server.is_file():
+    if settings.server is not None:
+        if not settings.server.is_file():
             from moe_l2_llama.build import BuildError
 
-            raise BuildError(f"MOE_L2_LLAMA_SERVER={settings.llama_server} does not exist")
-        return settings.llama_server
+            raise BuildError(f"MOE_L2_LLAMA_SERVER={settings.server} does not exist")
+        return settings.server
     from moe_l2_llama.build import build
 
     return build()
@@ -89,8 +109,8 @@ def llama_server_command(binary: Path, model: Path, settings: LlamaSettings) -> 
     cmd = [
         str(binary),
         "--model", str(model),
-        "--host", settings.llama_host,
-        "--port", str(settings.llama_port),
+        "--host", settings.host,
+        "--port", str(settings.port),
         "--parallel", str(settings.parallel),
         "--ctx-size", str(settings.ctx_size),
         "--metrics",
@@ -109,7 +129,7 @@ def llama_server_command(binary: Path, model: Path, settings: LlamaSettings) -> 
         cmd.append("--no-repack")
     # clients see a model name, never the host path llama-server would report as the model id
     cmd += ["--alias", settings.model_alias or model_name(model)]
-    cmd += shlex.split(settings.llama_extra_args)
+    cmd += shlex.split(settings.extra_args)
     return cmd
 
 

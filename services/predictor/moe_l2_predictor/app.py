@@ -17,8 +17,8 @@ from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 from starlette.requests import ClientDisconnect
 
-from moe_l2_common.schemas.errors import error_body
-from moe_l2_common.schemas.predict import (
+from moe_l2_contracts.schemas.errors import error_body
+from moe_l2_contracts.schemas.predict import (
     PredictBatchRequest,
     PredictBatchResponse,
     PredictRequest,

@@ -28,7 +28,7 @@ from sklearn.model_selection import StratifiedKFold
 from sklearn.pipeline import Pipeline
 from threadpoolctl import threadpool_limits
 
-from moe_l2_common.taxonomy import Taxonomy
+from moe_l2_domains.taxonomy import Taxonomy
 from moe_l2_predictor import tier_semantic, tier_tfidf
 from moe_l2_predictor.combine import Combiner, fit_combiner
 from moe_l2_predictor.dataset import Labeled

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from moe_l2_common.schemas.predict import PredictRequest
-from moe_l2_common.taxonomy import Taxonomy
+from moe_l2_contracts.schemas.predict import PredictRequest
+from moe_l2_domains.taxonomy import Taxonomy
 from moe_l2_predictor.prompt import Prompt, from_request, from_text
 
 

@@ -7,7 +7,7 @@ import json
 import logging
 import sys
 
-from moe_l2_common.schemas.predict import PredictResponse
+from moe_l2_contracts.schemas.predict import PredictResponse
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from moe_l2_common.schemas.predict import PredictResponse
-from moe_l2_common.taxonomy import Taxonomy, load_default_taxonomy, load_taxonomy
+from moe_l2_contracts.schemas.predict import PredictResponse
+from moe_l2_domains.taxonomy import Taxonomy, load_default_taxonomy, load_taxonomy
 from moe_l2_predictor.artefacts import Artefacts, load_or_fit, load_stored
 from moe_l2_predictor.dataset import calibration_set, training_set
 from moe_l2_predictor.prompt import Prompt

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe_l2_common.lang import detect_lang
-from moe_l2_common.schemas.predict import ChatMessage, PredictRequest
+from moe_l2_contracts.schemas.predict import ChatMessage, PredictRequest
+from moe_l2_domains.lang import detect_lang
 
 LAST_USER_WEIGHT = 1.0
 CONTEXT_WEIGHT = 0.35

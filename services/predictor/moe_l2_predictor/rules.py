@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moe_l2_common.taxonomy import Taxonomy
+from moe_l2_domains.taxonomy import Taxonomy
 
 
 class LanguageRules:

@@ -1,4 +1,5 @@
-"""Configuration of the predictor, from MOE_L2_* environment variables (compose.yaml sets the same)."""
+"""Configuration of the predictor: its own MOE_L2_PREDICTOR_* variables and the stack-wide ones
+(moe_l2_contracts.env gives the convention; compose.yaml sets the same)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,10 @@ import os
 from pathlib import Path
 
 from pydantic import AliasChoices, Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
-from moe_l2_common.services import PREDICTOR
+from moe_l2_contracts.env import ServiceSettings, log_level_field
+from moe_l2_contracts.services import PREDICTOR
 
 TIERS = ("keyword", "tfidf", "semantic")
 
@@ -18,8 +20,8 @@ def default_cache_dir() -> Path:
     return Path(base) / "moe-l2" / "predictor"
 
 
-class PredictorSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="MOE_L2_PREDICTOR_", extra="ignore")
+class PredictorSettings(ServiceSettings):
+    model_config = SettingsConfigDict(env_prefix=PREDICTOR.env_prefix, extra="ignore", populate_by_name=True)
 
     host: str = "127.0.0.1"
     port: int = Field(default=PREDICTOR.port, ge=1, le=65535)
@@ -29,6 +31,7 @@ class PredictorSettings(BaseSettings):
     )
     taxonomy_path: Path | None = Field(
         default=None,
+        # stack-wide (the gateway's keyword fallback reads the same taxonomy); the prefixed name also works
         validation_alias=AliasChoices("MOE_L2_TAXONOMY_PATH", "MOE_L2_PREDICTOR_TAXONOMY_PATH"),
         description="replace the shipped taxonomy (YAML/JSON)",
     )
@@ -49,9 +52,7 @@ class PredictorSettings(BaseSettings):
         description="hybrid: skip the semantic tier when keyword+TF-IDF are at least this confident (1 = never)",
     )
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
-    log_level: str = Field(
-        default="info", validation_alias=AliasChoices("MOE_L2_PREDICTOR_LOG_LEVEL", "MOE_L2_LOG_LEVEL")
-    )
+    log_level: str = log_level_field(PREDICTOR.env_prefix)
 
     @field_validator("tiers")
     @classmethod

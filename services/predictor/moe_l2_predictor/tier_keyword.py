@@ -1,4 +1,4 @@
-"""Tier 1: the keyword classifier of moe_l2_common, over a chat's weighted segments."""
+"""Tier 1: the keyword classifier of moe_l2_domains, over a chat's weighted segments."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from moe_l2_common.keywords import FALLBACK_PRIOR, KeywordClassifier, KeywordPrediction
-from moe_l2_common.taxonomy import Taxonomy
+from moe_l2_domains.keywords import FALLBACK_PRIOR, KeywordClassifier, KeywordPrediction
+from moe_l2_domains.taxonomy import Taxonomy
 from moe_l2_predictor.prompt import Prompt
 
 # Added to every domain's evidence before the hybrid sees it: no keyword means "no idea" (near

@@ -8,7 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-from moe_l2_common.taxonomy import TaxonomyError
+from moe_l2_domains.taxonomy import TaxonomyError
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

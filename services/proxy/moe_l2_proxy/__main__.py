@@ -18,8 +18,8 @@ def main() -> None:
     app = create_app(settings)
     uvicorn.run(
         app,
-        host=settings.proxy_host,
-        port=settings.proxy_port,
+        host=settings.host,
+        port=settings.port,
         log_level=settings.log_level.lower(),
         access_log=settings.access_log,
         server_header=False,

@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp
 
-from moe_l2_common.keywords import KeywordClassifier
+from moe_l2_domains.keywords import KeywordClassifier
 from moe_l2_proxy import generation_routes, ollama_api, openai_api, ops_api
 from moe_l2_proxy.auth import ApiKeyAuth
 from moe_l2_proxy.cors import Cors, OriginPolicy

@@ -1,4 +1,4 @@
-"""Optional API keys (MOE_L2_API_KEYS): `Authorization: Bearer <key>` on every route but the probes."""
+"""Optional API keys (MOE_L2_PROXY_API_KEYS): `Authorization: Bearer <key>` on every route but the probes."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ long streams would refuse new clients. `GuardedProtocol` is uvicorn's own `HttpT
 - a connection opened while `max_connections` are already open is answered 503 (JSON, `Retry-After`)
   as soon as its request head is in, and closed.
 
-Between requests uvicorn's keep-alive timeout (MOE_L2_KEEP_ALIVE_S) still applies; once a request
+Between requests uvicorn's keep-alive timeout (MOE_L2_PROXY_KEEP_ALIVE_S) still applies; once a request
 is read, nothing here limits how long the answer takes. No parsing is done here: the callbacks
 only move the phase along. These are internals of uvicorn's protocol class (stable across its
 releases since 0.13); tests/proxy/test_connections.py checks every case against the running server.
@@ -75,7 +75,7 @@ def error_message(path: str, status: int, message: str, code: str, extra: dict[s
 
 def refusal_app(limits: ConnectionLimits, metrics: GatewayMetrics) -> Callable[[Scope, Receive, Send], Any]:
     limit = limits.max_connections
-    message = f"the gateway has too many open connections (MOE_L2_MAX_CONNECTIONS={limit}); retry later"
+    message = f"the gateway has too many open connections (MOE_L2_PROXY_MAX_CONNECTIONS={limit}); retry later"
 
     async def refuse(scope: Scope, receive: Receive, send: Send) -> None:
         drained = 0

@@ -4,7 +4,7 @@ llama-server reflects any `Origin` with `access-control-allow-credentials: true`
 headers would let every web page the user visits drive the local model. Here, as Ollama does with
 OLLAMA_ORIGINS, only local pages are allowed by default (http/https on localhost, 127.0.0.1,
 [::1] and 0.0.0.0 with any port, and the app://, file://, tauri://, vscode-webview:// and
-vscode-file:// schemes of desktop apps); MOE_L2_ORIGINS adds others (`*` inside an entry matches
+vscode-file:// schemes of desktop apps); MOE_L2_PROXY_ORIGINS adds others (`*` inside an entry matches
 any characters but '/', a lone `*` allows every origin).
 
 - A request with an allowed `Origin` is served and its answer carries `access-control-allow-origin`
@@ -95,7 +95,7 @@ class Cors:
             await self.app(scope, receive, self._stripping(send, []))
             return
         if not self.policy.allows(origin.decode("latin-1")):
-            message = "this web origin may not call the gateway (allow it with MOE_L2_ORIGINS)"
+            message = "this web origin may not call the gateway (allow it with MOE_L2_PROXY_ORIGINS)"
             await error_response(scope["path"], 403, message, code="origin_not_allowed")(scope, receive, send)
             return
         allow = [(b"access-control-allow-origin", b"*" if self.policy.any else origin)]

@@ -1,7 +1,7 @@
 """The domain of a request: the client's X-MoE-Domain header, else the predictor within its budget,
 else the in-process keyword tier. Prediction never fails a request.
 
-Only known domains (moe_l2_common.domains.known_domains(): the taxonomy's names plus
+Only known domains (moe_l2_domains.known.known_domains(): the taxonomy's names plus
 MOE_L2_EXTRA_DOMAINS) become tags: each tag is a label set in llama's telemetry, a Redis domain
 and a routing table per layer, all persisted, so a header with a free value would let any client
 grow them without limit. Anything else in the header is the client's 400, with the valid names.
@@ -15,9 +15,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from moe_l2_common.domains import DOMAIN_TAG, is_reserved, known_domains
-from moe_l2_common.keywords import KeywordClassifier
-from moe_l2_common.schemas.predict import ChatMessage, PredictRequest
+from moe_l2_contracts.domains import DOMAIN_TAG, is_reserved
+from moe_l2_contracts.schemas.predict import ChatMessage, PredictRequest
+from moe_l2_domains.keywords import KeywordClassifier
+from moe_l2_domains.known import known_domains
 from moe_l2_proxy.errors import GatewayError
 from moe_l2_proxy.predictor_pool import PredictorPool
 

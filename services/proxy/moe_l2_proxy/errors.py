@@ -13,8 +13,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from moe_l2_common.schemas.ollama import ErrorBody as OllamaErrorBody
-from moe_l2_common.schemas.openai import ErrorBody, ErrorDetail
+from moe_l2_contracts.schemas.ollama import ErrorBody as OllamaErrorBody
+from moe_l2_contracts.schemas.openai import ErrorBody, ErrorDetail
 
 log = logging.getLogger("moe_l2_proxy")
 

@@ -19,7 +19,7 @@ from typing import Literal
 from fastapi import FastAPI
 from pydantic import BaseModel
 
-from moe_l2_common.schemas import ollama, openai
+from moe_l2_contracts.schemas import ollama, openai
 from moe_l2_proxy import ollama_api, openai_api
 from moe_l2_proxy.dispatch import Handler
 

@@ -13,7 +13,7 @@ import logging
 
 import httpx
 
-from moe_l2_common.schemas.hint import HintRequest
+from moe_l2_contracts.schemas.hint import HintRequest
 from moe_l2_proxy.metrics import GatewayMetrics
 
 log = logging.getLogger("moe_l2_proxy.hints")

@@ -9,7 +9,7 @@ is held back waiting for more.
 
 Only httpx's transport interface is public (`handle_async_request`, `aclose`, and the constructor,
 which takes `httpx.Limits` as httpx's own transport does): the rest of the gateway talks to the
-`httpx.AsyncClient` around it, so going back to httpx's transport is one line (MOE_L2_LLAMA_TRANSPORT
+`httpx.AsyncClient` around it, so going back to httpx's transport is one line (MOE_L2_PROXY_LLAMA_TRANSPORT
 or the constructor in app.py). Failures are httpx's exception types, of the same family httpx's
 transport raises for the same fault (tests/proxy/test_transport_faults.py causes each for real).
 

@@ -1,4 +1,4 @@
-"""Request body size limit (MOE_L2_MAX_BODY_BYTES): 413 before reading a declared oversized body,
+"""Request body size limit (MOE_L2_PROXY_MAX_BODY_BYTES): 413 before reading a declared oversized body,
 and as soon as a chunked one grows past the limit."""
 
 from __future__ import annotations

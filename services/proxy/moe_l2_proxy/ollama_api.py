@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
 
-from moe_l2_common.schemas.ollama import (
+from moe_l2_contracts.schemas.ollama import (
     ChatRequest,
     GenerateRequest,
     ModelList,
@@ -24,8 +24,8 @@ from moe_l2_common.schemas.ollama import (
     ShowResponse,
     VersionResponse,
 )
-from moe_l2_common.schemas.openai import ModelList as OpenAIModelList
-from moe_l2_common.schemas.predict import ChatMessage
+from moe_l2_contracts.schemas.openai import ModelList as OpenAIModelList
+from moe_l2_contracts.schemas.predict import ChatMessage
 from moe_l2_proxy.blocking import send_generation
 from moe_l2_proxy.domain import Decision
 from moe_l2_proxy.errors import GatewayError, client_mistake, error_response, gateway_error_response

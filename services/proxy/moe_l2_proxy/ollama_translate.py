@@ -11,7 +11,7 @@ import time
 from datetime import datetime, timezone
 from typing import Any, Literal
 
-from moe_l2_common.schemas.ollama import (
+from moe_l2_contracts.schemas.ollama import (
     ChatRequest,
     ChatResponse,
     FinalStats,
@@ -25,8 +25,8 @@ from moe_l2_common.schemas.ollama import (
     ToolCall,
     ToolFunctionCall,
 )
-from moe_l2_common.schemas.openai import ChatCompletion, Completion, ModelCard, TextChoice, Timings, Usage
-from moe_l2_common.schemas.openai import ToolCall as OpenAIToolCall
+from moe_l2_contracts.schemas.openai import ChatCompletion, Completion, ModelCard, TextChoice, Timings, Usage
+from moe_l2_contracts.schemas.openai import ToolCall as OpenAIToolCall
 
 Kind = Literal["chat", "generate"]
 

@@ -16,7 +16,7 @@ import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from moe_l2_common.schemas.openai import ChatCompletionRequestView, CompletionRequestView, ErrorBody, ErrorDetail
+from moe_l2_contracts.schemas.openai import ChatCompletionRequestView, CompletionRequestView, ErrorBody, ErrorDetail
 from moe_l2_proxy.blocking import send_generation
 from moe_l2_proxy.domain import Decision
 from moe_l2_proxy.errors import GatewayError, client_mistake, error_response, gateway_error_response

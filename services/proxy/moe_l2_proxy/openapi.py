@@ -1,6 +1,6 @@
 """The gateway's published API (GET /openapi.json): the part of OpenAI's and Ollama's APIs it serves.
 
-Built from the same pydantic models the handlers parse with (moe_l2_common.schemas), so the
+Built from the same pydantic models the handlers parse with (moe_l2_contracts.schemas), so the
 document cannot drift from what is accepted; the generation operations come from the table that
 registers those routes (generation_routes.py). FastAPI's own generator cannot be used: the
 generation handlers are dispatched ahead of FastAPI's router (see dispatch.py) and read their
@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from moe_l2_common.schemas import ollama, openai
+from moe_l2_contracts.schemas import ollama, openai
 from moe_l2_proxy.generation_routes import GENERATION_ROUTES, GenerationRoute
 
 JsonSchema = dict[str, Any]

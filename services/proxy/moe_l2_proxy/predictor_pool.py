@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import httpx
 from pydantic import ValidationError
 
-from moe_l2_common.schemas.predict import PredictRequest, PredictResponse
+from moe_l2_contracts.schemas.predict import PredictRequest, PredictResponse
 from moe_l2_proxy.metrics import GatewayMetrics
 
 log = logging.getLogger("moe_l2_proxy.predictor")

@@ -1,13 +1,16 @@
-"""Configuration of the gateway, from MOE_L2_* environment variables (compose.yaml sets the same)."""
+"""Configuration of the gateway: its own MOE_L2_PROXY_* variables and the stack-wide ones
+(moe_l2_contracts.env gives the convention; compose.yaml sets the same)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import ClassVar, Literal
 
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
-from moe_l2_common.services import CACHE_MANAGER, LLAMA, PREDICTOR, PROXY
+from moe_l2_contracts.env import ServiceSettings, log_level_field, renamed_before_convention, stack_wide
+from moe_l2_contracts.services import CACHE_MANAGER, LLAMA, PREDICTOR, PROXY
 
 
 def split_list(value: str) -> list[str]:
@@ -15,13 +18,34 @@ def split_list(value: str) -> list[str]:
     return [item.strip() for item in value.split(",") if item.strip()]
 
 
-class ProxySettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="MOE_L2_", extra="ignore")
+class ProxySettings(ServiceSettings):
+    model_config = SettingsConfigDict(env_prefix=PROXY.env_prefix, extra="ignore", populate_by_name=True)
+    renamed_env: ClassVar[Mapping[str, str]] = renamed_before_convention(
+        "llama_api_key",
+        "llama_connect_timeout_s",
+        "llama_read_timeout_s",
+        "llama_max_connections",
+        "predict_budget_ms",
+        "predictor_cooldown_s",
+        "predictor_dns_refresh_s",
+        "hint_queue_size",
+        "hint_timeout_s",
+        "api_keys",
+        "max_body_bytes",
+        "ollama_version",
+        "access_log",
+        "keep_alive_s",
+        "header_timeout_s",
+        "body_timeout_s",
+        "max_header_bytes",
+        "max_connections",
+        "origins",
+    )
 
-    proxy_host: str = "127.0.0.1"
-    proxy_port: int = Field(default=PROXY.port, ge=1, le=65535)
+    host: str = "127.0.0.1"
+    port: int = Field(default=PROXY.port, ge=1, le=65535)
 
-    llama_url: str = Field(default_factory=lambda: LLAMA.local_url())
+    llama_url: str = stack_wide("LLAMA_URL", default_factory=lambda: LLAMA.local_url())
     llama_api_key: str = Field(default="", description="sent to llama as a Bearer token, only when set")
     llama_connect_timeout_s: float = Field(default=5.0, gt=0)
     llama_read_timeout_s: float = Field(
@@ -35,7 +59,8 @@ class ProxySettings(BaseSettings):
         "kept-alive connection llama had just closed); the rest of the gateway is the same either way",
     )
 
-    predictor_urls: str = Field(
+    predictor_urls: str = stack_wide(
+        "PREDICTOR_URLS",
         default_factory=lambda: PREDICTOR.local_url(),
         description="comma-separated; each host name is expanded to all of its addresses (Docker replicas)",
     )
@@ -43,7 +68,9 @@ class ProxySettings(BaseSettings):
     predictor_cooldown_s: float = Field(default=5.0, ge=0, description="a failing replica is skipped this long")
     predictor_dns_refresh_s: float = Field(default=10.0, gt=0)
 
-    cache_url: str = Field(default_factory=lambda: CACHE_MANAGER.local_url(), description="empty: no hints are sent")
+    cache_url: str = stack_wide(
+        "CACHE_URL", default_factory=lambda: CACHE_MANAGER.local_url(), description="empty: no hints are sent"
+    )
     hint_queue_size: int = Field(default=256, ge=1)
     hint_timeout_s: float = Field(default=1.0, gt=0)
 
@@ -51,7 +78,7 @@ class ProxySettings(BaseSettings):
     max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1)
     ollama_version: str = Field(default="0.12.0", description="what GET /api/version reports to Ollama clients")
 
-    log_level: str = "info"
+    log_level: str = log_level_field(PROXY.env_prefix)
     access_log: bool = Field(default=False, description="uvicorn's access log (paths and statuses only)")
     keep_alive_s: int = Field(
         default=75,

@@ -14,7 +14,7 @@ from functools import lru_cache
 
 import httpx
 
-from moe_l2_common.admin import ADMIN_TOKEN_HEADER
+from moe_l2_contracts.admin import ADMIN_TOKEN_HEADER
 from moe_l2_proxy.errors import GatewayError
 from moe_l2_proxy.metrics import GatewayMetrics
 from moe_l2_proxy.settings import ProxySettings
@@ -25,7 +25,7 @@ DOMAIN_HEADER = "x-moe-domain"
 
 # Never forwarded towards llama: hop-by-hop headers (the gateway answers `Expect: 100-continue`
 # itself and frames the body; what a header named in `Connection:` says is for the gateway alone),
-# what is recomputed, the client's own credentials (llama gets MOE_L2_LLAMA_API_KEY or nothing),
+# what is recomputed, the client's own credentials (llama gets MOE_L2_PROXY_LLAMA_API_KEY or nothing),
 # the services' admin token and the domain tag (the gateway sets it).
 _REQUEST_DROP = frozenset(
     {

@@ -16,13 +16,11 @@ without them, as in the cache-manager's host pool, it is the `hybrid` demand pol
 from __future__ import annotations
 
 from moe_l2_cache.policy.base import ExpertCachePolicy, PolicyError, TablePolicy
-from moe_l2_cache.policy.belady import Belady, belady_hits
 from moe_l2_cache.policy.hybrid import DomainPriorHybrid
 from moe_l2_cache.policy.online import LFRU, LFU, LRU
 from moe_l2_cache.policy.prefetch import CrossLayerPrefetch, PrefetchStats
 from moe_l2_cache.policy.profile import RoutingProfile, fit_profile, freq_from_counts, profile_from_counts
 from moe_l2_cache.policy.registry import DEFAULT_POLICY, POLICY_NAMES, make_policy, update_priors
-from moe_l2_cache.policy.static import StaticDomain, StaticGlobal
 
 __all__ = [
     "DEFAULT_POLICY",
@@ -30,17 +28,13 @@ __all__ = [
     "LFU",
     "LRU",
     "POLICY_NAMES",
-    "Belady",
     "CrossLayerPrefetch",
     "DomainPriorHybrid",
     "ExpertCachePolicy",
     "PolicyError",
     "PrefetchStats",
     "RoutingProfile",
-    "StaticDomain",
-    "StaticGlobal",
     "TablePolicy",
-    "belady_hits",
     "fit_profile",
     "freq_from_counts",
     "make_policy",

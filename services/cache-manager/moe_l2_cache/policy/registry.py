@@ -1,4 +1,4 @@
-"""Policies by name, and the default the study chose."""
+"""The product's policies by name, and the default the study chose (its offline baselines: bench/study_policies.py)."""
 
 from __future__ import annotations
 
@@ -6,13 +6,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from moe_l2_cache.policy import hybrid, online, prefetch
-from moe_l2_cache.policy.base import ExpertCachePolicy, FloatArray, PolicyError
-from moe_l2_cache.policy.belady import Belady
+from moe_l2_cache.policy.base import ExpertCachePolicy, PolicyError
 from moe_l2_cache.policy.hybrid import DomainPriorHybrid
 from moe_l2_cache.policy.online import LFRU, LFU, LRU
 from moe_l2_cache.policy.prefetch import CrossLayerPrefetch
 from moe_l2_cache.policy.profile import RoutingProfile
-from moe_l2_cache.policy.static import StaticDomain, StaticGlobal
 
 # The policy docs/cache-policy-study.md chooses (tests/policy checks that the two agree). Without
 # transition tables (the cache-manager's host pool, which sees no per-token routing) it is `hybrid`.
@@ -27,10 +25,6 @@ def _need(profile: Mapping[str, Any], key: str, policy: str) -> Any:
     if value is None:
         raise PolicyError(f"policy {policy!r} needs a profile with {key!r} (see moe_l2_cache.policy.profile)")
     return value
-
-
-def _global(profile: Mapping[str, Any], policy: str) -> FloatArray:
-    return _need(profile, "global_freq", policy)
 
 
 def _hybrid(
@@ -74,12 +68,6 @@ _FACTORIES: dict[str, Factory] = {
     "lfru": lambda n_layer, n_expert, capacity, p: LFRU(
         n_layer, n_expert, capacity, p.get("half_life", online.HALF_LIFE)
     ),
-    "static_global": lambda n_layer, n_expert, capacity, p: StaticGlobal(
-        n_layer, n_expert, capacity, _global(p, "static_global")
-    ),
-    "static_domain": lambda n_layer, n_expert, capacity, p: StaticDomain(
-        n_layer, n_expert, capacity, _global(p, "static_domain"), p.get("domain_freq") or {}
-    ),
     "hybrid": _hybrid,
     "hybrid_admit": lambda n_layer, n_expert, capacity, p: _hybrid(n_layer, n_expert, capacity, p, admission=True),
     "xlayer_prefetch": lambda n_layer, n_expert, capacity, p: CrossLayerPrefetch(
@@ -89,9 +77,6 @@ _FACTORIES: dict[str, Factory] = {
         _hybrid(n_layer, n_expert, capacity, p), _need(p, "transitions", "hybrid_prefetch"), p.get("n_predict")
     ),
     "hybrid_threshold_prefetch": _threshold_prefetch,
-    "belady": lambda n_layer, n_expert, capacity, p: Belady(
-        n_layer, n_expert, capacity, _need(p, "future", "belady"), p.get("bypass", True)
-    ),
 }
 
 POLICY_NAMES: tuple[str, ...] = tuple(_FACTORIES)
@@ -102,8 +87,8 @@ def make_policy(name: str, n_layer: int, n_expert: int, capacity: int, **profile
 
     `profile` holds what profiled policies need: `global_freq`, `domain_freq`, `transitions`, `top_k`
     and `domain_transitions` (from `RoutingProfile.as_kwargs()`), knobs (`half_life`, `prior_weight`,
-    `fill_weight`, `admit_margin`, `n_predict`, `min_lift`), and for the offline `belady` only,
-    `future` (the whole stream, [token, layer, k]).
+    `fill_weight`, `admit_margin`, `n_predict`, `min_lift`). The offline study's policies (Belady,
+    static sets) are bench/study_policies.py's.
     Keys a policy does not use are ignored, so one profile serves every policy.
     """
     try:

