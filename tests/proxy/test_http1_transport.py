@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from moe_l2_ops.supervisor import free_port
-from moe_l2_proxy.app import llama_client
+from moe_l2_proxy.app import llama_client, llama_transport
 from moe_l2_proxy.errors import GatewayError
 from moe_l2_proxy.http1_transport import Http1Transport
 from moe_l2_proxy.metrics import GatewayMetrics
@@ -297,8 +297,9 @@ def test_blocking_generation_cut_midway_is_not_run_twice(reused, transport):
         port = await server.start()
         settings = ProxySettings(llama_url=f"http://127.0.0.1:{port}", llama_transport=transport)
         metrics = GatewayMetrics()
-        client = llama_client(settings, metrics)
-        upstream = LlamaUpstream(settings, metrics, client)
+        under = llama_transport(settings, metrics)
+        client = llama_client(settings, under)
+        upstream = LlamaUpstream(settings, metrics, client, under)
         try:
             if reused:
                 await upstream.send("GET", "/health", headers={})
@@ -315,7 +316,7 @@ def test_blocking_generation_cut_midway_is_not_run_twice(reused, transport):
 
 def test_forwarded_headers_leave_hop_by_hop_and_secrets_behind():
     settings = ProxySettings(llama_url="http://127.0.0.1:1", llama_api_key="k")
-    upstream = LlamaUpstream(settings, GatewayMetrics(), httpx.AsyncClient())
+    upstream = LlamaUpstream(settings, GatewayMetrics(), httpx.AsyncClient(), httpx.AsyncHTTPTransport())
     client = [
         ("host", "gateway:11435"),
         ("content-type", "application/json"),
@@ -375,8 +376,9 @@ def test_the_llama_client_keeps_no_cookies(transport):
             llama_url=f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", llama_transport=transport
         )
         metrics = GatewayMetrics()
-        client = llama_client(settings, metrics)
-        upstream = LlamaUpstream(settings, metrics, client)
+        under = llama_transport(settings, metrics)
+        client = llama_client(settings, under)
+        upstream = LlamaUpstream(settings, metrics, client, under)
         try:
             first = await upstream.send("GET", "/props", headers={})
             assert first.headers["set-cookie"].startswith("session=")  # relayed as llama sent it
@@ -425,10 +427,11 @@ def test_header_bytes_reach_llama_as_the_client_sent_them(transport):
         serving = asyncio.create_task(server.serve())
         settings = ProxySettings(llama_url=f"http://127.0.0.1:{server.port}", llama_transport=transport)
         metrics = GatewayMetrics()
-        client = llama_client(settings, metrics)
+        under = llama_transport(settings, metrics)
+        client = llama_client(settings, under)
         try:
             sent = "café".encode().decode("latin-1")  # what request.headers holds for these bytes
-            await LlamaUpstream(settings, metrics, client).send("GET", "/props", headers={"x-title": sent})
+            await LlamaUpstream(settings, metrics, client, under).send("GET", "/props", headers={"x-title": sent})
         finally:
             await client.aclose()
             serving.cancel()

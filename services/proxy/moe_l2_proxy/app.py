@@ -57,7 +57,7 @@ class NoCookies(CookieJar):
         return
 
 
-def llama_client(settings: ProxySettings, metrics: GatewayMetrics) -> httpx.AsyncClient:
+def llama_client(settings: ProxySettings, transport: httpx.AsyncBaseTransport) -> httpx.AsyncClient:
     return httpx.AsyncClient(
         base_url=settings.llama_url.rstrip("/"),
         cookies=NoCookies(),
@@ -68,7 +68,7 @@ def llama_client(settings: ProxySettings, metrics: GatewayMetrics) -> httpx.Asyn
             # waiting for a free connection: only when more requests are in flight than the limit
             pool=30.0,
         ),
-        transport=llama_transport(settings, metrics),
+        transport=transport,
     )
 
 
@@ -93,8 +93,9 @@ def cache_client(settings: ProxySettings) -> httpx.AsyncClient:
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: ProxySettings = app.state.settings
     metrics: GatewayMetrics = app.state.metrics
-    llama_http = llama_client(settings, metrics)
-    llama = LlamaUpstream(settings, metrics, llama_http)
+    transport = llama_transport(settings, metrics)
+    llama_http = llama_client(settings, transport)
+    llama = LlamaUpstream(settings, metrics, llama_http, transport)
     predictors: PredictorPool | None = None
     predict_http: httpx.AsyncClient | None = None
     if settings.predictor_url_list and settings.predict_budget_ms > 0:

@@ -1,9 +1,11 @@
-"""Requests to llama-server through the one pooled httpx client (made in the app's lifespan), header
-hygiene, transport errors as gateway errors.
+"""Requests to llama-server through httpx's interfaces (made in the app's lifespan), header hygiene,
+transport errors as gateway errors.
 
-Only httpx's client interface is used here (`client.send(request, stream=True)`, the response's
-stream, `aread`, `aclose`), so the transport under the client can be either one (app.py
-`llama_transport`) and the errors are the same httpx exceptions with both.
+The relayed requests go to the transport through httpx's transport interface
+(`handle_async_request(httpx.Request) -> httpx.Response`, the response's stream, `aread`, `aclose`);
+the gateway's own requests (health, metrics, model list) through the pooled client on the same
+transport. Either transport fits under both (app.py `llama_transport`), and the errors are the same
+httpx exceptions with both. Why the hot path skips the client: see `LlamaUpstream.send`.
 """
 
 from __future__ import annotations
@@ -65,11 +67,21 @@ def upstream_url(base: str, target: str) -> httpx.URL:
 
 
 class LlamaUpstream:
-    def __init__(self, settings: ProxySettings, metrics: GatewayMetrics, client: httpx.AsyncClient) -> None:
+    def __init__(
+        self,
+        settings: ProxySettings,
+        metrics: GatewayMetrics,
+        client: httpx.AsyncClient,
+        transport: httpx.AsyncBaseTransport,
+    ) -> None:
+        """`transport` is the one under `client` (the client closes it)."""
         self.url = settings.llama_url.rstrip("/")
         self.metrics = metrics
         self.authorization = f"Bearer {settings.llama_api_key}" if settings.llama_api_key else None
         self.client = client
+        self.transport = transport
+        # what the client would attach to each request it builds: the same explicit timeouts
+        self.timeout = client.timeout.as_dict()
 
     def forward_headers(self, client_headers: Iterable[tuple[str, str]], domain: str | None) -> dict[str, str]:
         headers = {}
@@ -108,10 +120,11 @@ class LlamaUpstream:
         request target (path and query), already percent-encoded."""
         # An httpx.Request of its own, not client.build_request: the client's default headers (its
         # user agent, Accept-Encoding) are not the client's to add to a forwarded request, and its
-        # cookies are none of llama's business. Through client.send, a request costs ~65 µs of CPU
-        # more than the prepared message this used to hand the transport itself (the Request, the
-        # client's auth, redirect and cookie layers): the price, once per request and not per
-        # token, of a transport that is only ever reached through httpx's interface.
+        # cookies are none of llama's business. Handed to the transport, not to client.send: the
+        # client's auth, redirect, cookie and event-hook layers do nothing for a forwarded request
+        # and cost ~65 µs of CPU per request here, and its stream wrapper one more generator per
+        # relayed piece (gateway CPU per request 0.57 -> 0.77 ms through client.send,
+        # bench/gateway_overhead.py, docs/proxy.md "Measured").
         try:
             url = upstream_url(self.url, path)
         except httpx.InvalidURL as exc:  # a target uvicorn took but httpx will not send (e.g. over 64 KiB)
@@ -119,11 +132,18 @@ class LlamaUpstream:
         # The header bytes as the client sent them: Starlette decoded them as latin-1, and httpx would
         # encode str values as ASCII, failing a request that carries a UTF-8 value.
         raw = [(name.encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()]
-        request = httpx.Request(method, url, headers=raw, content=content)
+        request = httpx.Request(method, url, headers=raw, content=content, extensions={"timeout": self.timeout})
         try:
             # No retry here: once llama may have started on a request, sending it again could run a
             # generation twice. The fast transport itself resends only what a dead idle connection never took.
-            return await self.client.send(request, stream=stream)
+            response = await self.transport.handle_async_request(request)
+            response.request = request
+            if not stream:
+                try:
+                    await response.aread()
+                finally:
+                    await response.aclose()
+            return response
         except httpx.HTTPError as exc:
             raise self.transport_error(exc) from exc
 
