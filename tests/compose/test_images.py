@@ -110,7 +110,7 @@ def test_dockerignore() -> None:
         "services/predictor/moe_l2_predictor/__init__.py",
         "services/cache-manager/moe_l2_cache/__init__.py",
         "services/llama/moe_l2_llama/build.py",
-        "services/llama/patches/0001-routing-telemetry.patch",
+        "services/llama/patches/0001-ubatch-seqs.patch",
     ):
         assert not _dockerignore_excludes(patterns, needed), f".dockerignore drops {needed}"
     for dropped in (".git/HEAD", ".venv/bin/python", "models/model.gguf", "x/__pycache__/y.pyc"):
