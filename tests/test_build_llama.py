@@ -182,6 +182,52 @@ def test_every_patch_says_what_and_why() -> None:
         assert len(body.split()) >= 30, f"{patch.name}: the message does not say what the patch does and why"
 
 
+def added_lines(patch: Path) -> dict[str, list[str]]:
+    """path -> the lines the patch adds to it."""
+    added: dict[str, list[str]] = {}
+    path = None
+    for line in patch.read_text().splitlines():
+        if line.startswith("diff --git a/"):
+            path = line.split()[2][2:]
+            added[path] = []
+        elif path and line.startswith("+") and not line.startswith("+++ "):
+            added[path].append(line[1:])
+    return added
+
+
+def test_the_libllama_changes_of_the_telemetry_are_patches_of_their_own() -> None:
+    # 0001 and 0002 change libllama for any caller, 0003 is the server's use of them: each reviewable alone
+    patches = {p.name: added_lines(p) for p in build_mod.patch_files(build_mod.default_patches_dir())}
+    assert set(patches["0001-ubatch-seqs.patch"]) == {"include/llama.h", "src/llama-context.cpp", "src/llama-context.h"}
+    assert set(patches["0002-keep-moe-selection.patch"]) == {
+        "include/llama.h",
+        "src/llama-cparams.h",
+        "src/llama-context.cpp",
+        "common/common.h",
+        "common/common.cpp",
+    }
+    assert all(path.startswith("tools/server/") for path in patches["0003-routing-telemetry.patch"])
+
+
+def test_the_moe_selection_is_kept_only_when_the_server_asks() -> None:
+    """An installed eval callback (imatrix, llama-eval-callback, --verbose debugging) no longer keeps
+    every layer's ffn_moe_argsort alive: only keep_moe_selection does, off by default, and only the
+    server's MoE callback (telemetry, route trace, transitions) turns it on."""
+    added: dict[str, list[str]] = {}
+    for patch in build_mod.patch_files(build_mod.default_patches_dir()):
+        for path, lines in added_lines(patch).items():
+            added.setdefault(path, []).extend(lines)
+    argsort = [line for line in added["src/llama-context.cpp"] if '"ffn_moe_argsort"' in line]
+    assert argsort == ['        if (cparams.keep_moe_selection && strcmp(name, "ffn_moe_argsort") == 0) {']
+    assert "        /*.keep_moe_selection          =*/ false," in added["src/llama-context.cpp"]
+    assert any(re.match(r"\s*bool keep_moe_selection\s*=\s*false;", line) for line in added["common/common.h"])
+    turned_on = {path for path, lines in added.items() if any("keep_moe_selection = true" in ln for ln in lines)}
+    assert turned_on == {"tools/server/server-moe.cpp"}
+    server_moe = added["tools/server/server-moe.cpp"]
+    on = next(i for i, line in enumerate(server_moe) if "keep_moe_selection = true" in line)
+    assert "params.cb_eval_user_data" in server_moe[on - 1], "set where the callback is installed, nowhere else"
+
+
 def test_ggml_patches_are_the_patches_that_touch_ggml(tmp_path: Path) -> None:
     ggml_diff = "diff --git a/ggml/src/z.c b/ggml/src/z.c\n+int z;\n"
     (tmp_path / "0001-a.patch").write_text("Subject: [PATCH 1/3]\ndiff --git a/src/x.cpp b/src/x.cpp\n+x\n")
