@@ -114,8 +114,8 @@ CONFIGS: dict[str, Config] = {
         Config("e", "expert-cache", "-ngl 99 --cpu-moe --moe-cache-bytes (c's expert bytes): misses copied"),
     )
 }
-NOT_BUILT = "not in this binary: its build has no expert cache (patch 0008)"
-CACHE_PATCH = "0008-expert-cache.patch"
+NOT_BUILT = "not in this binary: its build has no expert cache (patch 0010)"
+CACHE_PATCH = "0010-expert-cache.patch"
 
 
 def parse_configs(text: str) -> list[Config]:

@@ -138,24 +138,26 @@ def test_patch_that_does_not_apply_is_one_clear_line(tmp_path: Path, llama_binar
 
 
 SERIES = [
-    "0001-routing-telemetry.patch",
-    "0002-hot-set.patch",
-    "0003-domain-tags.patch",
-    "0004-admin-token.patch",
-    "0005-vulkan-headers.patch",
-    "0006-route-trace.patch",
-    "0007-sched-expert-cache.patch",
-    "0008-expert-cache.patch",
-    "0009-server-expert-cache.patch",
-    "0010-expert-cache-prefetch.patch",
-    "0011-server-expert-cache-profile.patch",
-    "0012-server-expert-cache-layers.patch",
-    "0013-expert-cache-domain-counters.patch",
-    "0014-expert-cache-free-share.patch",
-    "0015-server-moe-transitions.patch",
-    "0016-expert-cache-copy-stream.patch",
-    "0017-expert-cache-preload.patch",
-    "0018-server-hot-set-preload.patch",
+    "0001-ubatch-seqs.patch",
+    "0002-keep-moe-selection.patch",
+    "0003-routing-telemetry.patch",
+    "0004-hot-set.patch",
+    "0005-domain-tags.patch",
+    "0006-admin-token.patch",
+    "0007-vulkan-headers.patch",
+    "0008-route-trace.patch",
+    "0009-sched-expert-cache.patch",
+    "0010-expert-cache.patch",
+    "0011-server-expert-cache.patch",
+    "0012-expert-cache-prefetch.patch",
+    "0013-server-expert-cache-profile.patch",
+    "0014-server-expert-cache-layers.patch",
+    "0015-expert-cache-domain-counters.patch",
+    "0016-expert-cache-free-share.patch",
+    "0017-server-moe-transitions.patch",
+    "0018-expert-cache-copy-stream.patch",
+    "0019-expert-cache-preload.patch",
+    "0020-server-hot-set-preload.patch",
 ]
 
 
@@ -178,6 +180,52 @@ def test_every_patch_says_what_and_why() -> None:
         assert numbered == (i, len(patches)), f"{patch.name}: numbered {numbered}, expected {(i, len(patches))}"
         body = header[subject.end() :].strip()
         assert len(body.split()) >= 30, f"{patch.name}: the message does not say what the patch does and why"
+
+
+def added_lines(patch: Path) -> dict[str, list[str]]:
+    """path -> the lines the patch adds to it."""
+    added: dict[str, list[str]] = {}
+    path = None
+    for line in patch.read_text().splitlines():
+        if line.startswith("diff --git a/"):
+            path = line.split()[2][2:]
+            added[path] = []
+        elif path and line.startswith("+") and not line.startswith("+++ "):
+            added[path].append(line[1:])
+    return added
+
+
+def test_the_libllama_changes_of_the_telemetry_are_patches_of_their_own() -> None:
+    # 0001 and 0002 change libllama for any caller, 0003 is the server's use of them: each reviewable alone
+    patches = {p.name: added_lines(p) for p in build_mod.patch_files(build_mod.default_patches_dir())}
+    assert set(patches["0001-ubatch-seqs.patch"]) == {"include/llama.h", "src/llama-context.cpp", "src/llama-context.h"}
+    assert set(patches["0002-keep-moe-selection.patch"]) == {
+        "include/llama.h",
+        "src/llama-cparams.h",
+        "src/llama-context.cpp",
+        "common/common.h",
+        "common/common.cpp",
+    }
+    assert all(path.startswith("tools/server/") for path in patches["0003-routing-telemetry.patch"])
+
+
+def test_the_moe_selection_is_kept_only_when_the_server_asks() -> None:
+    """An installed eval callback (imatrix, llama-eval-callback, --verbose debugging) no longer keeps
+    every layer's ffn_moe_argsort alive: only keep_moe_selection does, off by default, and only the
+    server's MoE callback (telemetry, route trace, transitions) turns it on."""
+    added: dict[str, list[str]] = {}
+    for patch in build_mod.patch_files(build_mod.default_patches_dir()):
+        for path, lines in added_lines(patch).items():
+            added.setdefault(path, []).extend(lines)
+    argsort = [line for line in added["src/llama-context.cpp"] if '"ffn_moe_argsort"' in line]
+    assert argsort == ['        if (cparams.keep_moe_selection && strcmp(name, "ffn_moe_argsort") == 0) {']
+    assert "        /*.keep_moe_selection          =*/ false," in added["src/llama-context.cpp"]
+    assert any(re.match(r"\s*bool keep_moe_selection\s*=\s*false;", line) for line in added["common/common.h"])
+    turned_on = {path for path, lines in added.items() if any("keep_moe_selection = true" in ln for ln in lines)}
+    assert turned_on == {"tools/server/server-moe.cpp"}
+    server_moe = added["tools/server/server-moe.cpp"]
+    on = next(i for i, line in enumerate(server_moe) if "keep_moe_selection = true" in line)
+    assert "params.cb_eval_user_data" in server_moe[on - 1], "set where the callback is installed, nowhere else"
 
 
 def test_ggml_patches_are_the_patches_that_touch_ggml(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The expert cache in llama-server (patches 0007-0014, `--moe-cache-bytes`), on the software GPU.
+"""The expert cache in llama-server (patches 0009-0016, `--moe-cache-bytes`), on the software GPU.
 
 The reduced `ds-v2-lite` shape (3 MoE layers of 64 experts, top-6, Q4_K/Q4_0 experts) runs with its
 experts in host memory (`--cpu-moe`) and the cache on llvmpipe's Vulkan device:

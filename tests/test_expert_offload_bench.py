@@ -130,7 +130,7 @@ def test_device_buffers_from_the_server_log(bench):
 def test_a_binary_without_the_cache_says_so(bench):
     rows = {"e": {"config": "expert-cache", "what": "x", "status": bench.NOT_BUILT, "device_expert_bytes": 2e9}}
     text = bench.table(rows)
-    assert "no expert cache (patch 0008)" in text and "2000.00" in text
+    assert "no expert cache (patch 0010)" in text and "2000.00" in text
 
 
 def test_the_expert_cache_runs_with_c_s_expert_bytes_and_is_measured(bench, ds_layout):

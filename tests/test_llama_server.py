@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import re
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -451,6 +452,28 @@ def start_custom(
     for client in clients:
         client.close()
     supervisor.stop()
+
+
+def compute_buffer_mib(server: LlamaServer) -> float:
+    """The CPU compute buffer llama-server reserved for its graph (logged at load with -lv 4)."""
+    found = re.findall(r"CPU compute buffer size =\s+([\d.]+) MiB", server.log_path.read_text())
+    assert found, f"no compute buffer size in {server.log_path}"
+    return float(found[0])
+
+
+def test_only_the_telemetry_keeps_every_layers_selection(start_custom: Callable[..., LlamaServer]) -> None:
+    """The telemetry turns keep_moe_selection on (patch 0002): each MoE layer's argsort is a graph
+    output, kept to the end of the graph so that the callback reads them all in one split; the
+    compute buffer grows by at most those selections. Without the telemetry the graph is llama.cpp's."""
+    on = start_custom("llama-keep-selection", extra_args="-lv 4")
+    off = start_custom("llama-no-telemetry", env={"LLAMA_MOE_TELEMETRY": "0"}, extra_args="-lv 4")
+    for server in (on, off):
+        assert chat(server, "hello", max_tokens=2).status_code == 200
+    routing = on.routing()
+    n_ubatch = 512  # llama-server's default -ub
+    selections_mib = routing["n_layer"] * routing["n_expert"] * n_ubatch * 4 / 2**20
+    grown = compute_buffer_mib(on) - compute_buffer_mib(off)
+    assert 0 < grown <= selections_mib + 0.01, (grown, selections_mib)
 
 
 def test_without_a_domain_list_distinct_tags_are_capped(start_custom: Callable[..., LlamaServer]) -> None:

@@ -1,6 +1,6 @@
 """Replays llama-server's expert-cache access log through a policy of this package.
 
-The engine's cache (patch 0008, `--moe-cache-bytes`) is a port of `lru` and of the default policy. Run
+The engine's cache (patch 0010, `--moe-cache-bytes`) is a port of `lru` and of the default policy. Run
 with LLAMA_MOE_CACHE_LOG=<file> (test only), it writes one line per micro-batch and cached layer:
 
     <ubatch> <layer> <bypass> <domain> <expert> <expert> ...
