@@ -299,7 +299,7 @@ def test_blocking_generation_cut_midway_is_not_run_twice(reused, transport):
         metrics = GatewayMetrics()
         under = llama_transport(settings, metrics)
         client = llama_client(settings, under)
-        upstream = LlamaUpstream(settings, metrics, client, under)
+        upstream = LlamaUpstream(settings.llama_url, settings, metrics, client, under)
         try:
             if reused:
                 await upstream.send("GET", "/health", headers={})
@@ -316,7 +316,9 @@ def test_blocking_generation_cut_midway_is_not_run_twice(reused, transport):
 
 def test_forwarded_headers_leave_hop_by_hop_and_secrets_behind():
     settings = ProxySettings(llama_url="http://127.0.0.1:1", llama_api_key="k")
-    upstream = LlamaUpstream(settings, GatewayMetrics(), httpx.AsyncClient(), httpx.AsyncHTTPTransport())
+    upstream = LlamaUpstream(
+        settings.llama_url, settings, GatewayMetrics(), httpx.AsyncClient(), httpx.AsyncHTTPTransport()
+    )
     client = [
         ("host", "gateway:11435"),
         ("content-type", "application/json"),
@@ -378,7 +380,7 @@ def test_the_llama_client_keeps_no_cookies(transport):
         metrics = GatewayMetrics()
         under = llama_transport(settings, metrics)
         client = llama_client(settings, under)
-        upstream = LlamaUpstream(settings, metrics, client, under)
+        upstream = LlamaUpstream(settings.llama_url, settings, metrics, client, under)
         try:
             first = await upstream.send("GET", "/props", headers={})
             assert first.headers["set-cookie"].startswith("session=")  # relayed as llama sent it
@@ -431,7 +433,9 @@ def test_header_bytes_reach_llama_as_the_client_sent_them(transport):
         client = llama_client(settings, under)
         try:
             sent = "café".encode().decode("latin-1")  # what request.headers holds for these bytes
-            await LlamaUpstream(settings, metrics, client, under).send("GET", "/props", headers={"x-title": sent})
+            await LlamaUpstream(settings.llama_url, settings, metrics, client, under).send(
+                "GET", "/props", headers={"x-title": sent}
+            )
         finally:
             await client.aclose()
             serving.cancel()

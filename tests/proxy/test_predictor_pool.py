@@ -12,8 +12,9 @@ import httpx
 import pytest
 
 from moe_l2_contracts.schemas.predict import PredictRequest
+from moe_l2_proxy.discovery import Endpoint, expand, resolve_all
 from moe_l2_proxy.metrics import GatewayMetrics
-from moe_l2_proxy.predictor_pool import Endpoint, PredictorPool, expand, resolve_all
+from moe_l2_proxy.predictor_pool import PredictorPool
 
 ANSWER = {"domain": "math", "confidence": 0.9, "lang": "en", "tier": "keyword", "scores": {"math": 0.9}}
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 import uvicorn
+from pydantic import ValidationError
 
 from moe_l2_proxy.app import create_app
 from moe_l2_proxy.connections import ConnectionLimits, guarded_protocol
@@ -12,7 +14,11 @@ from moe_l2_proxy.settings import ProxySettings
 
 
 def main() -> None:
-    settings = ProxySettings()
+    try:
+        settings = ProxySettings()
+    except ValidationError as e:  # a configuration mistake: one message, not a traceback
+        errors = "; ".join(describe(err) for err in e.errors())
+        sys.exit(f"moe_l2_proxy: invalid settings: {errors}")
     level = settings.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(settings)
@@ -30,6 +36,13 @@ def main() -> None:
         timeout_keep_alive=settings.keep_alive_s,
         timeout_graceful_shutdown=10,
     )
+
+
+def describe(err: object) -> str:
+    assert isinstance(err, dict)
+    where = ".".join(map(str, err["loc"]))
+    message = str(err["msg"]).removeprefix("Value error, ")
+    return f"MOE_L2_PROXY_{where.upper()}: {message}" if where else message
 
 
 if __name__ == "__main__":

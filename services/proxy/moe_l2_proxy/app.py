@@ -21,13 +21,12 @@ from moe_l2_proxy.dispatch import GenerationDispatch
 from moe_l2_proxy.domain import DomainResolver
 from moe_l2_proxy.errors import install_error_handlers
 from moe_l2_proxy.gateway import Gateway, on_client_disconnect
-from moe_l2_proxy.hints import HintSender
 from moe_l2_proxy.http1_transport import Http1Transport
 from moe_l2_proxy.limits import BodyLimit
 from moe_l2_proxy.metrics import GatewayMetrics, RequestMetrics
 from moe_l2_proxy.predictor_pool import PredictorPool
+from moe_l2_proxy.replicas import LlamaPool
 from moe_l2_proxy.settings import ProxySettings
-from moe_l2_proxy.upstream import LlamaUpstream
 
 log = logging.getLogger("moe_l2_proxy")
 
@@ -58,8 +57,8 @@ class NoCookies(CookieJar):
 
 
 def llama_client(settings: ProxySettings, transport: httpx.AsyncBaseTransport) -> httpx.AsyncClient:
+    """The one client of every llama replica (requests name the replica's URL)."""
     return httpx.AsyncClient(
-        base_url=settings.llama_url.rstrip("/"),
         cookies=NoCookies(),
         timeout=httpx.Timeout(
             connect=settings.llama_connect_timeout_s,
@@ -95,7 +94,6 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     metrics: GatewayMetrics = app.state.metrics
     transport = llama_transport(settings, metrics)
     llama_http = llama_client(settings, transport)
-    llama = LlamaUpstream(settings, metrics, llama_http, transport)
     predictors: PredictorPool | None = None
     predict_http: httpx.AsyncClient | None = None
     if settings.predictor_url_list and settings.predict_budget_ms > 0:
@@ -108,26 +106,23 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             dns_refresh_s=settings.predictor_dns_refresh_s,
         )
         await predictors.start()
-    hints: HintSender | None = None
-    hint_http: httpx.AsyncClient | None = None
-    if settings.cache_url:
-        hint_http = cache_client(settings)
-        hints = HintSender(settings.cache_url, hint_http, metrics, settings.hint_queue_size)
-        hints.start()
+    hint_http = cache_client(settings) if settings.cache_url_list else None
     resolver = DomainResolver(predictors, settings.predict_budget_ms / 1000, KeywordClassifier())
-    app.state.gateway = Gateway(settings, metrics, llama, resolver, predictors, hints)
+    llamas = LlamaPool(settings, metrics, llama_http, transport, hint_http, resolver.header.known)
+    await llamas.start()
+    app.state.gateway = Gateway(settings, metrics, llamas, resolver, predictors)
     settle_heap()
     log.info(
-        "gateway ready: llama %s, predictors %s, cache-manager %s",
-        llama.url,
+        "gateway ready: llama %s (%s routing), predictors %s, cache-manager %s",
+        ", ".join(r.url for r in llamas.replicas) or "none",
+        settings.routing,
         ", ".join(settings.predictor_url_list) or "none",
-        settings.cache_url or "none",
+        ", ".join(settings.cache_url_list) or "none",
     )
     try:
         yield
     finally:
-        if hints is not None:
-            await hints.stop()
+        await llamas.stop()
         if predictors is not None:
             await predictors.stop()
         for client in (predict_http, hint_http, llama_http):

@@ -15,11 +15,10 @@ from starlette.types import Receive
 
 from moe_l2_proxy.domain import Decision, DomainResolver
 from moe_l2_proxy.errors import GatewayError, describe_validation
-from moe_l2_proxy.hints import HintSender
 from moe_l2_proxy.metrics import GatewayMetrics, mark_disconnected
 from moe_l2_proxy.predictor_pool import PredictorPool
+from moe_l2_proxy.replicas import LlamaPool
 from moe_l2_proxy.settings import ProxySettings
-from moe_l2_proxy.upstream import LlamaUpstream
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
@@ -29,16 +28,13 @@ M = TypeVar("M", bound=BaseModel)
 class Gateway:
     settings: ProxySettings
     metrics: GatewayMetrics
-    llama: LlamaUpstream
+    llamas: LlamaPool
     domains: DomainResolver
     predictors: PredictorPool | None
-    hints: HintSender | None
 
     def record(self, decision: Decision) -> None:
-        """Count the decision and tell the cache-manager which domain is coming (never waits)."""
+        """Count the decision (the chosen replica's cache-manager hears of it when the request is sent)."""
         self.metrics.count_domain(decision.domain, decision.source)
-        if self.hints is not None:
-            self.hints.offer(decision.domain)
 
 
 def gateway(request: Request) -> Gateway:

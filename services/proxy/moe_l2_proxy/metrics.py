@@ -95,6 +95,35 @@ class GatewayMetrics:
             ["reason"],
             registry=r,
         )
+        # the llama replicas (replicas.py); `replica` is host:port as dialled, Prometheus' `instance`
+        # for its scrape of that llama
+        self.replica_requests = Counter(
+            "moe_l2_replica_requests",
+            "Requests routed to each llama replica, by domain",
+            ["replica", "domain"],
+            registry=r,
+        )
+        self.replica_in_flight = Gauge(
+            "moe_l2_replica_in_flight", "Requests in flight on each llama replica", ["replica"], registry=r
+        )
+        self.replica_healthy = Gauge(
+            "moe_l2_replica_healthy",
+            "1 while a llama replica is in rotation, 0 while it cools down",
+            ["replica"],
+            registry=r,
+        )
+        self.replica_failures = Counter(
+            "moe_l2_replica_failures",
+            "Failed requests to a llama replica, by reason",
+            ["replica", "reason"],
+            registry=r,
+        )
+        self.routing_decisions = Counter(
+            "moe_l2_routing_decisions",
+            "Replica choices by policy and outcome (home, spill, least_loaded, round_robin, retry)",
+            ["policy", "outcome"],
+            registry=r,
+        )
         self._domain_labels: set[str] = set()
         self._children: dict[tuple[object, ...], Any] = {}
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import httpx
@@ -42,7 +42,7 @@ from moe_l2_proxy.ollama_translate import (
     now_rfc3339,
 )
 from moe_l2_proxy.streaming import RelayResponse, sse_payloads
-from moe_l2_proxy.upstream import DOMAIN_HEADER
+from moe_l2_proxy.upstream import DOMAIN_HEADER, LlamaUpstream
 
 router = APIRouter()
 
@@ -106,17 +106,26 @@ async def translate(
     extra = decision.headers()
     raw = path == "/v1/completions"
     t0 = request_started(request.scope)
-    send = send_generation(gw.llama, path, gw.llama.own_headers(decision.domain), json.dumps(body).encode(), stream)
+    headers = gw.llamas.own_headers(decision.domain)
+    content = json.dumps(body).encode()
+
+    def send(llama: LlamaUpstream) -> Awaitable[httpx.Response]:
+        return send_generation(llama, path, headers, content, stream)
+
     try:
-        upstream = await until_disconnect(request, send)
+        lease, upstream = await until_disconnect(request, gw.llamas.send(decision.domain, send))
     except GatewayError as exc:
         return gateway_error_response(request.url.path, exc, headers=extra)
     except ClientDisconnected:
         return Response(status_code=499)
+    if not stream or upstream.status_code != 200:
+        try:
+            if stream:
+                await upstream.aread()
+                await upstream.aclose()
+        finally:
+            lease.release()
     if upstream.status_code != 200:
-        if stream:
-            await upstream.aread()
-            await upstream.aclose()
         return upstream_error(request.url.path, upstream, extra)
     if not stream:
         try:
@@ -126,7 +135,13 @@ async def translate(
         count_tokens(gw, content)
         return Response(content, media_type="application/json; charset=utf-8", headers=extra)
     translator = StreamTranslator(kind, model, raw, t0)
-    return RelayResponse(ndjson(gw, upstream, translator, request.url.path), upstream, headers=extra, media_type=NDJSON)
+    return RelayResponse(
+        ndjson(gw, upstream, translator, request.url.path),
+        upstream,
+        headers=extra,
+        media_type=NDJSON,
+        on_close=lease.release,
+    )
 
 
 async def ndjson(
@@ -149,7 +164,7 @@ async def ndjson(
                 gw.metrics.labelled(gw.metrics.ttft, route).observe(time.perf_counter() - translator.t0)
             yield out
     except httpx.HTTPError as exc:
-        yield error_line(gw.llama.transport_error(exc).message)
+        yield error_line(gw.llamas.transport_error(exc).message)
         return
     final = translator.final()
     count_tokens(gw, final.rsplit(b"\n", 2)[-2])
@@ -186,9 +201,9 @@ def upstream_error(path: str, upstream: httpx.Response, headers: dict[str, str])
 
 
 async def served_models(gw: Gateway) -> tuple[OpenAIModelList, dict[str, Any]]:
-    models = OpenAIModelList.model_validate(await gw.llama.get_json("/v1/models"))
+    models = OpenAIModelList.model_validate(await gw.llamas.get_json("/v1/models"))
     try:
-        props = await gw.llama.get_json("/props")
+        props = await gw.llamas.get_json("/props")
     except GatewayError:
         props = {}
     return models, props

@@ -11,6 +11,7 @@ with Ollama's; the rest of the API on `router`.
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable
 
 import httpx
 from fastapi import APIRouter, Request
@@ -23,7 +24,7 @@ from moe_l2_proxy.errors import GatewayError, client_mistake, error_response, ga
 from moe_l2_proxy.gateway import ClientDisconnected, Gateway, gateway, parse_body, until_disconnect
 from moe_l2_proxy.metrics import request_started
 from moe_l2_proxy.streaming import RelayResponse, SseObserver, relay_raw
-from moe_l2_proxy.upstream import DOMAIN_HEADER, response_headers
+from moe_l2_proxy.upstream import DOMAIN_HEADER, LlamaUpstream, response_headers
 
 router = APIRouter()
 
@@ -63,7 +64,7 @@ def target(request: Request) -> str:
 
 def sse_error(gw: Gateway, exc: httpx.HTTPError) -> bytes:
     """The last event of a stream whose upstream failed midway (headers are already sent)."""
-    failure = gw.llama.transport_error(exc)
+    failure = gw.llamas.transport_error(exc)
     body = ErrorBody(error=ErrorDetail(message=failure.message, type="server_error", code=failure.code))
     return b"data: " + body.model_dump_json().encode() + b"\n\n"
 
@@ -71,17 +72,25 @@ def sse_error(gw: Gateway, exc: httpx.HTTPError) -> bytes:
 async def generate(request: Request, gw: Gateway, body: bytes, decision: Decision, stream: bool) -> Response:
     gw.record(decision)
     extra = decision.headers()
-    headers = gw.llama.forward_headers(request.headers.items(), decision.domain)
+    headers = gw.llamas.forward_headers(request.headers.items(), decision.domain)
+    path = target(request)
+
+    def send(llama: LlamaUpstream) -> Awaitable[httpx.Response]:
+        return send_generation(llama, path, headers, body, stream)
+
     try:
-        upstream = await until_disconnect(request, send_generation(gw.llama, target(request), headers, body, stream))
+        lease, upstream = await until_disconnect(request, gw.llamas.send(decision.domain, send))
     except GatewayError as exc:
         return gateway_error_response(request.url.path, exc, headers=extra)
     except ClientDisconnected:
         return Response(status_code=499)
     if not stream or upstream.status_code != 200:
-        if stream:
-            await upstream.aread()
-            await upstream.aclose()
+        try:
+            if stream:
+                await upstream.aread()
+                await upstream.aclose()
+        finally:
+            lease.release()
         if (message := client_mistake(upstream.status_code, upstream.content)) is not None:
             return error_response(request.url.path, 400, message, code="invalid_request", headers=extra)
         count_blocking_tokens(gw, upstream)
@@ -93,7 +102,7 @@ async def generate(request: Request, gw: Gateway, body: bytes, decision: Decisio
         chunks,
         upstream,
         headers={**response_headers(upstream), **_SSE_HEADERS, **extra},
-        on_close=observer.finish,
+        on_close=lambda: (observer.finish(), lease.release()),
     )
 
 
@@ -113,19 +122,25 @@ async def passthrough(request: Request, path: str) -> Response:
     gw = gateway(request)
     body = await request.body()
     domain = gw.domains.header_domain(request.headers.get(DOMAIN_HEADER))
-    headers = gw.llama.forward_headers(request.headers.items(), domain)
+    headers = gw.llamas.forward_headers(request.headers.items(), domain)
+    path = target(request)
+
+    def send(llama: LlamaUpstream) -> Awaitable[httpx.Response]:
+        return llama.send(request.method, path, headers=headers, content=body or None, stream=True)
+
     try:
-        upstream = await until_disconnect(
-            request, gw.llama.send(request.method, target(request), headers=headers, content=body or None, stream=True)
-        )
+        lease, upstream = await until_disconnect(request, gw.llamas.send(domain, send, hint=False))
     except GatewayError as exc:
         return gateway_error_response(request.url.path, exc)
     except ClientDisconnected:
         return Response(status_code=499)
     if upstream.status_code == 500:
         # an error JSON, small: read whole to tell the client's mistakes from llama's own failures
-        await upstream.aread()
-        await upstream.aclose()
+        try:
+            await upstream.aread()
+            await upstream.aclose()
+        finally:
+            lease.release()
         if (message := client_mistake(upstream.status_code, upstream.content)) is not None:
             return error_response(request.url.path, 400, message, code="invalid_request")
         return Response(upstream.content, upstream.status_code, headers=response_headers(upstream))
@@ -134,4 +149,5 @@ async def passthrough(request: Request, path: str) -> Response:
         upstream,
         status_code=upstream.status_code,
         headers=response_headers(upstream),
+        on_close=lease.release,
     )

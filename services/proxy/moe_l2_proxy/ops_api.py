@@ -13,8 +13,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
 from moe_l2_proxy.errors import GatewayError
-from moe_l2_proxy.gateway import Gateway, gateway
+from moe_l2_proxy.gateway import gateway
 from moe_l2_proxy.openapi import build_document
+from moe_l2_proxy.upstream import LlamaUpstream
 
 router = APIRouter()
 
@@ -37,18 +38,40 @@ async def openapi(request: Request) -> JSONResponse:
     return JSONResponse(state.openapi_document)
 
 
+async def replica_ready(llama: LlamaUpstream) -> str:
+    """Why the replica cannot serve, or "" when its /health answers 200."""
+    try:
+        resp = await llama.get("/health", timeout_s=2.0)
+    except httpx.HTTPError as exc:
+        return f"llama-server unreachable ({type(exc).__name__})"
+    return "" if resp.status_code == 200 else f"llama-server /health answered {resp.status_code}"
+
+
 @router.get("/readyz")
 async def readyz(request: Request) -> JSONResponse:
+    """Ready while at least one llama replica is."""
     gw = gateway(request)
-    try:
-        resp = await gw.llama.client.get("/health", headers=gw.llama.own_headers(), timeout=2.0)
-        ready = resp.status_code == 200
-        reason = "" if ready else f"llama-server /health answered {resp.status_code}"
-    except httpx.HTTPError as exc:
-        ready, reason = False, f"llama-server unreachable ({type(exc).__name__})"
-    body = {"status": "ready" if ready else "not ready", "llama": gw.llama.url}
-    if reason:
-        body["reason"] = reason
+    replicas = gw.llamas.replicas
+    reasons = await asyncio.gather(*(replica_ready(r.upstream) for r in replicas))
+    ready = any(not reason for reason in reasons)
+    body: dict[str, Any] = {
+        "status": "ready" if ready else "not ready",
+        "llama": replicas[0].url if replicas else None,
+        "replicas": [
+            {"replica": r.key, "ready": not reason, **({"reason": reason} if reason else {})}
+            for r, reason in zip(replicas, reasons, strict=True)
+        ],
+    }
+    if not ready:
+        body["reason"] = (
+            reasons[0]
+            if len(reasons) == 1
+            else (
+                f"no llama replica is ready ({len(replicas)} configured)"
+                if replicas
+                else "no llama replica is configured"
+            )
+        )
     return JSONResponse(body, status_code=200 if ready else 503)
 
 
@@ -79,22 +102,22 @@ def parse_llama_moe_metrics(text: str) -> dict[str, Any]:
     }
 
 
-async def llama_summary(gw: Gateway) -> dict[str, Any]:
+async def llama_summary(llama: LlamaUpstream) -> dict[str, Any]:
     async def hot_set() -> dict[str, Any] | None:
         try:
-            return await gw.llama.get_json("/moe/hot-set", timeout_s=2.0)
+            return await llama.get_json("/moe/hot-set", timeout_s=2.0)
         except GatewayError:
             return None
 
     async def moe_metrics() -> dict[str, Any] | None:
         try:
-            resp = await gw.llama.client.get("/metrics", headers=gw.llama.own_headers(), timeout=2.0)
+            resp = await llama.get("/metrics", timeout_s=2.0)
         except httpx.HTTPError:
             return None
         return parse_llama_moe_metrics(resp.text) if resp.status_code == 200 else None
 
     hot, counters = await asyncio.gather(hot_set(), moe_metrics())
-    summary: dict[str, Any] = {"url": gw.llama.url, "reachable": hot is not None or counters is not None}
+    summary: dict[str, Any] = {"url": llama.url, "reachable": hot is not None or counters is not None}
     if hot is not None:
         # the experts themselves are long lists; the summary keeps their count per layer
         layers = hot.get("layers") or {}
@@ -116,6 +139,12 @@ async def stats(request: Request) -> dict[str, Any]:
     summary = gw.metrics.summary()
     summary["predictor"]["endpoints"] = gw.predictors.describe() if gw.predictors else []
     summary["predictor"]["budget_ms"] = gw.settings.predict_budget_ms
-    summary["hints"]["queued"] = gw.hints.queue.qsize() if gw.hints else 0
-    summary["llama"] = await llama_summary(gw)
+    summary["hints"]["queued"] = gw.llamas.hints_queued()
+    replicas = gw.llamas.describe()
+    summaries = await asyncio.gather(*(llama_summary(r.upstream) for r in gw.llamas.replicas))
+    for replica, llama in zip(replicas, summaries, strict=True):
+        replica.update({key: llama.get(key) for key in ("reachable", "hits", "misses", "hit_rate")})
+    summary["routing"] = {"policy": gw.llamas.policy.name, "epsilon": gw.settings.routing_epsilon}
+    summary["replicas"] = replicas
+    summary["llama"] = summaries[0] if summaries else {"url": None, "reachable": False}
     return summary

@@ -1,78 +1,23 @@
 """The predictor replicas: round-robin balancing, failover within the time budget, cooldown of a failing one.
 
-Each configured URL is expanded to one endpoint per address its host name resolves to, so a
-single Docker service name with `--scale predictor=3` reaches every replica (Docker's DNS returns
-all their addresses). Names are re-resolved in the background; a request never waits on DNS.
+Each configured URL is expanded to one endpoint per address its host name resolves to
+(discovery.py), re-resolved in the background; a request never waits on DNS.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
-import socket
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 import httpx
 from pydantic import ValidationError
 
 from moe_l2_contracts.schemas.predict import PredictRequest, PredictResponse
+from moe_l2_proxy.discovery import Endpoint, Resolver, expand, has_host_name, resolve_all
 from moe_l2_proxy.metrics import GatewayMetrics
 
 log = logging.getLogger("moe_l2_proxy.predictor")
-
-# (host, port) -> the addresses to try
-Resolver = Callable[[str, int], Awaitable[list[str]]]
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    url: str  # scheme://address:port, what requests go to
-    host_header: str | None = None  # the configured host name, when url holds one of its addresses
-
-
-async def resolve_all(host: str, port: int) -> list[str]:
-    """Every distinct address of a host name, in the resolver's order."""
-    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    seen: list[str] = []
-    for *_, sockaddr in infos:
-        address = str(sockaddr[0])
-        if address not in seen:
-            seen.append(address)
-    return seen
-
-
-def is_ip_literal(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
-
-
-async def expand(url: str, resolver: Resolver) -> list[Endpoint]:
-    """One endpoint per address of the URL's host; the URL itself if it is an address or cannot be resolved."""
-    parts = urlsplit(url.rstrip("/"))
-    host = parts.hostname or ""
-    if not host or is_ip_literal(host):
-        return [Endpoint(url.rstrip("/"))]
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    try:
-        addresses = await resolver(host, port)
-    except OSError as exc:
-        log.warning("cannot resolve predictor host %s: %s", host, exc)
-        addresses = []
-    if not addresses:
-        return [Endpoint(url.rstrip("/"))]
-    host_header = parts.netloc.rpartition("@")[2]
-    endpoints = []
-    for address in addresses:
-        shown = f"[{address}]" if ":" in address else address
-        endpoints.append(Endpoint(f"{parts.scheme}://{shown}:{port}", host_header))
-    return endpoints
 
 
 class PredictorPool:
@@ -108,7 +53,7 @@ class PredictorPool:
 
     async def start(self) -> None:
         await self.refresh()
-        if any(not is_ip_literal(urlsplit(u).hostname or "") for u in self.urls):
+        if has_host_name(self.urls):
             self._refresher = asyncio.create_task(self._refresh_forever())
 
     async def _refresh_forever(self) -> None:

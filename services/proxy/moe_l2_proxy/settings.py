@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from moe_l2_contracts.env import ServiceSettings, log_level_field, renamed_before_convention, stack_wide
@@ -45,7 +45,32 @@ class ProxySettings(ServiceSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=PROXY.port, ge=1, le=65535)
 
-    llama_url: str = stack_wide("LLAMA_URL", default_factory=lambda: LLAMA.local_url())
+    llama_url: str = stack_wide(
+        "LLAMA_URL", default_factory=lambda: LLAMA.local_url(), description="the one llama, when LLAMA_URLS is unset"
+    )
+    llama_urls: str = stack_wide(
+        "LLAMA_URLS",
+        default="",
+        description="comma-separated llama replicas; each host name is expanded to all of its addresses "
+        "(`--scale llama=N`, a Kubernetes headless Service); empty: MOE_L2_LLAMA_URL",
+    )
+    routing: Literal["affinity", "round_robin", "least_loaded"] = Field(
+        default="affinity",
+        description="how a request's llama replica is chosen: `affinity` sends a domain to the replica whose "
+        "expert cache holds it (consistent hashing with bounded loads), `round_robin`, `least_loaded`",
+    )
+    routing_epsilon: float = Field(
+        default=0.25, ge=0, description="affinity's load bound: no replica above (1 + this) x the mean in flight"
+    )
+    llama_cooldown_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="a failing llama replica leaves the rotation this long, then until /health is 200",
+    )
+    llama_probe_interval_s: float = Field(
+        default=1.0, gt=0, description="how often a resting replica's /health is asked"
+    )
+    llama_dns_refresh_s: float = Field(default=10.0, gt=0)
     llama_api_key: str = Field(default="", description="sent to llama as a Bearer token, only when set")
     llama_connect_timeout_s: float = Field(default=5.0, gt=0)
     llama_read_timeout_s: float = Field(
@@ -70,6 +95,12 @@ class ProxySettings(ServiceSettings):
 
     cache_url: str = stack_wide(
         "CACHE_URL", default_factory=lambda: CACHE_MANAGER.local_url(), description="empty: no hints are sent"
+    )
+    cache_urls: str = stack_wide(
+        "CACHE_URLS",
+        default="",
+        description="comma-separated, one cache-manager per entry of MOE_L2_LLAMA_URLS in the same order; "
+        "`{host}` stands for the replica's address (a cache-manager beside each replica); empty: MOE_L2_CACHE_URL",
     )
     hint_queue_size: int = Field(default=256, ge=1)
     hint_timeout_s: float = Field(default=1.0, gt=0)
@@ -119,6 +150,33 @@ class ProxySettings(ServiceSettings):
     @property
     def origin_list(self) -> list[str]:
         return split_list(self.origins)
+
+    @model_validator(mode="after")
+    def _cache_urls_pair_up(self) -> ProxySettings:
+        self.cache_url_templates()
+        return self
+
+    def cache_url_templates(self) -> list[str | None]:
+        """The cache-manager URL (with `{host}` unfilled) of each entry of llama_url_list."""
+        llama, cache = self.llama_url_list, self.cache_url_list
+        if not cache:
+            return [None] * len(llama)
+        if len(cache) == 1:
+            return [cache[0]] * len(llama)
+        if len(cache) != len(llama):
+            raise ValueError(
+                f"MOE_L2_CACHE_URLS lists {len(cache)} cache-managers for {len(llama)} entries of "
+                "MOE_L2_LLAMA_URLS: give one per entry, in the same order, or a single one for all"
+            )
+        return list(cache)
+
+    @property
+    def llama_url_list(self) -> list[str]:
+        return split_list(self.llama_urls) or split_list(self.llama_url)
+
+    @property
+    def cache_url_list(self) -> list[str]:
+        return split_list(self.cache_urls) or split_list(self.cache_url)
 
     @property
     def predictor_url_list(self) -> list[str]:

@@ -69,39 +69,24 @@ def upstream_url(base: str, target: str) -> httpx.URL:
 class LlamaUpstream:
     def __init__(
         self,
+        url: str,
         settings: ProxySettings,
         metrics: GatewayMetrics,
         client: httpx.AsyncClient,
         transport: httpx.AsyncBaseTransport,
     ) -> None:
-        """`transport` is the one under `client` (the client closes it)."""
-        self.url = settings.llama_url.rstrip("/")
+        """One llama replica at `url`. `transport` is the one under `client` (the client closes it);
+        both are shared by every replica (their connection pools are per address)."""
+        self.url = url.rstrip("/")
         self.metrics = metrics
-        self.authorization = f"Bearer {settings.llama_api_key}" if settings.llama_api_key else None
+        self.authorization = llama_authorization(settings)
         self.client = client
         self.transport = transport
         # what the client would attach to each request it builds: the same explicit timeouts
         self.timeout = client.timeout.as_dict()
 
     def forward_headers(self, client_headers: Iterable[tuple[str, str]], domain: str | None) -> dict[str, str]:
-        headers = {}
-        named: list[str] = []
-        for k, v in client_headers:
-            lower = k.lower()
-            if lower in _REQUEST_DROP:
-                if lower == "connection":
-                    named.append(v)
-                continue
-            headers[k] = v
-        if named:
-            # `Connection: foo` makes `foo` hop-by-hop too: meant for the gateway, not for llama
-            hop = {token.strip().lower() for value in named for token in value.split(",")}
-            headers = {k: v for k, v in headers.items() if k.lower() not in hop}
-        if self.authorization:
-            headers["authorization"] = self.authorization
-        if domain:
-            headers[DOMAIN_HEADER] = domain
-        return headers
+        return forward_headers(client_headers, domain, self.authorization)
 
     def own_headers(self, domain: str | None = None) -> dict[str, str]:
         """Headers of a request the gateway makes itself (Ollama translation, probes)."""
@@ -148,15 +133,16 @@ class LlamaUpstream:
             raise self.transport_error(exc) from exc
 
     def transport_error(self, exc: httpx.HTTPError) -> GatewayError:
-        kind, status, message = classify(exc)
-        self.metrics.upstream_errors.labels("llama", kind).inc()
-        log.warning("llama %s: %s", kind, type(exc).__name__)
-        return GatewayError(status, message, code=f"upstream_{kind}")
+        return transport_failure(self.metrics, exc)
+
+    async def get(self, path: str, timeout_s: float) -> httpx.Response:
+        """A GET of the gateway's own (health, metrics); httpx's errors as they are."""
+        return await self.client.get(self.url + path, headers=self.own_headers(), timeout=timeout_s)
 
     async def get_json(self, path: str, timeout_s: float = 5.0) -> dict:
         """GET a JSON document from llama (model list, props, hot set), as a gateway error if it fails."""
         try:
-            resp = await self.client.get(path, headers=self.own_headers(), timeout=timeout_s)
+            resp = await self.get(path, timeout_s)
         except httpx.HTTPError as exc:
             raise self.transport_error(exc) from exc
         if resp.status_code != 200:
@@ -167,6 +153,43 @@ class LlamaUpstream:
         except ValueError as exc:
             raise GatewayError(502, f"llama-server sent invalid JSON for GET {path}", code="upstream_invalid") from exc
         return data if isinstance(data, dict) else {"data": data}
+
+
+def llama_authorization(settings: ProxySettings) -> str | None:
+    return f"Bearer {settings.llama_api_key}" if settings.llama_api_key else None
+
+
+def forward_headers(
+    client_headers: Iterable[tuple[str, str]], domain: str | None, authorization: str | None
+) -> dict[str, str]:
+    """The client's headers as llama gets them: hop-by-hop and private ones dropped, llama's own
+    credentials and the domain tag set."""
+    headers = {}
+    named: list[str] = []
+    for k, v in client_headers:
+        lower = k.lower()
+        if lower in _REQUEST_DROP:
+            if lower == "connection":
+                named.append(v)
+            continue
+        headers[k] = v
+    if named:
+        # `Connection: foo` makes `foo` hop-by-hop too: meant for the gateway, not for llama
+        hop = {token.strip().lower() for value in named for token in value.split(",")}
+        headers = {k: v for k, v in headers.items() if k.lower() not in hop}
+    if authorization:
+        headers["authorization"] = authorization
+    if domain:
+        headers[DOMAIN_HEADER] = domain
+    return headers
+
+
+def transport_failure(metrics: GatewayMetrics, exc: httpx.HTTPError) -> GatewayError:
+    """A transport failure talking to llama as the gateway error the client gets (counted, logged)."""
+    kind, status, message = classify(exc)
+    metrics.upstream_errors.labels("llama", kind).inc()
+    log.warning("llama %s: %s", kind, type(exc).__name__)
+    return GatewayError(status, message, code=f"upstream_{kind}")
 
 
 def classify(exc: httpx.HTTPError) -> tuple[str, int, str]:
