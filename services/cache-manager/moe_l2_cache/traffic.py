@@ -12,7 +12,7 @@ others' requests run; here the hot set is chosen for the mix instead:
   budget as a domain's (hotset.select_hot_set);
 - it is looked at on the first hint, then on a hint at most once per dwell (MOE_L2_CACHE_DWELL_S),
   and when a mixed domain's hot set changes with new counts; it is pushed to llama and pinned only
-  when the chosen experts differ from those llama holds.
+  when the chosen experts (or the name below) differ from those llama holds.
 
 The `domain` posted to llama is the domain's own name when the mix is one domain (its hot set is then
 exactly the domain's), else the reserved TRAFFIC_DOMAIN: llama only stores and reports that name
@@ -80,7 +80,7 @@ class TrafficHintController(HintController):
         super().__init__(*args, **kwargs)
         self.traffic = DecayedShares(half_life_s)
         self._looked_at: float | None = None  # clock time the mix's hot set was last chosen
-        self._held: dict[int, frozenset[int]] | None = None  # what llama holds: the last set pushed
+        self._held: tuple[str, dict[int, frozenset[int]]] | None = None  # the name and experts llama holds
         self._held_domains: frozenset[str] = frozenset()  # the domains of that push
         self._uses_global = False  # a domain of the mix had no table: the global one stood in
 
@@ -126,11 +126,12 @@ class TrafficHintController(HintController):
             return False, f"no hot set pushed, Redis unreachable ({e})"
         if hot is None:
             return False, "no routing counts yet, nothing to push"
-        chosen = {int(layer): frozenset(ids) for layer, ids in hot.layers.items()}
+        name = next(iter(shares)) if len(shares) == 1 else TRAFFIC_DOMAIN
+        # the order within a layer is not a change; the name is (llama reports whose set it holds)
+        chosen = (name, {int(layer): frozenset(ids) for layer, ids in hot.layers.items()})
         what = f"the hot set of {_describe(shares)}, {hot.n_experts} experts"
         if chosen == self._held:
             return False, f"{what}, is the one llama holds"
-        name = next(iter(shares)) if len(shares) == 1 else TRAFFIC_DOMAIN
         if not await self._push(name, hot):
             return False, f"{what}, not pushed (llama error)"
         self._held, self._held_domains = chosen, frozenset(shares)
