@@ -108,10 +108,12 @@ class TrafficHintController(HintController):
 
     async def _tables_changed(self, domains: set[str]) -> None:
         async with self._lock:
-            hinted = self._looked_at is not None
-            # nothing pushed yet (no counts at the last look): the first counts are pushed at once
-            if hinted and (self._held is None or self._uses_global or domains & self._held_domains):
-                await self._look(self._clock())
+            if self._looked_at is None:
+                return  # no hint yet: no mix to choose for
+            now = self._clock()
+            # the mix as it is now (not as last pushed); nothing pushed yet: the first counts go at once
+            if self._held is None or self._uses_global or domains & self.traffic.shares(now).keys():
+                await self._look(now)
 
     async def restore(self) -> None:
         """Nothing to restore: the mix is this replica's own and lives in memory (Redis is shared)."""
