@@ -38,6 +38,7 @@ from moe_l2_cache.metrics import ServiceCollector
 from moe_l2_cache.redis_keys import GLOBAL_DOMAIN, RedisKeys
 from moe_l2_cache.residency import ExpertPool, PoolError
 from moe_l2_cache.settings import CacheSettings
+from moe_l2_cache.traffic import TrafficHintController
 from moe_l2_contracts.admin import ADMIN_TOKEN_HEADER, AdminTokenError, token_matches
 from moe_l2_contracts.domains import is_reserved
 from moe_l2_contracts.schemas.cache import (
@@ -135,7 +136,13 @@ async def build_service(settings: CacheSettings) -> Service:
         pool=pool,
         admin_headers=admin_headers,
     )
-    hints = HintController(flywheel, llama, redis, keys, dwell_s=settings.dwell_s, pool=pool)
+    hints: HintController
+    if settings.hot_set_scope == "traffic":
+        hints = TrafficHintController(
+            flywheel, llama, redis, keys, dwell_s=settings.dwell_s, pool=pool, half_life_s=settings.traffic_half_life_s
+        )
+    else:
+        hints = HintController(flywheel, llama, redis, keys, dwell_s=settings.dwell_s, pool=pool)
     return Service(
         settings,
         llama,

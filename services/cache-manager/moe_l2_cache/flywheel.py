@@ -444,8 +444,10 @@ class Flywheel:
 
     async def compute_hot_set(self, domain: str) -> HotSetResponse | None:
         table = await self.table(domain)
-        if not table:
-            return None
+        return self.hot_set_of(table, domain) if table else None
+
+    def hot_set_of(self, table: Table, domain: str) -> HotSetResponse:
+        """The hot set of a table (a domain's counts, or a mix of domains' shares) under the byte budget."""
         sizes = {layer: self.index.expert_bytes(layer) for layer in self.index.layers}
         choice = select_hot_set(table, sizes, self.hotset_bytes)
         return HotSetResponse(

@@ -63,7 +63,7 @@ class HintController:
         self._since_wall: float | None = None
         self.counters = _Counters()
         self._lock = asyncio.Lock()
-        self._pin_wanted: tuple[str, dict[int, list[int]]] | None = None
+        self._pin_wanted: tuple[str | None, dict[int, list[int]]] | None = None
         self._pin_event = asyncio.Event()
         flywheel.on_hot_sets_changed(self._tables_changed)
 
@@ -156,7 +156,7 @@ class HintController:
 
     # -- pinning runs in the background: a hint returns once llama has the hot set --------------------
 
-    def _request_pin(self, domain: str, hot: HotSetResponse) -> None:
+    def _request_pin(self, domain: str | None, hot: HotSetResponse) -> None:
         if self.pool is None:
             return
         self._pin_wanted = (domain, _layers(hot))  # only the latest request matters

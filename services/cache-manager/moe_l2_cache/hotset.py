@@ -69,3 +69,22 @@ def sum_tables(tables: Sequence[Mapping[int, Mapping[int, float]]]) -> dict[int,
             for expert, c in per_expert.items():
                 acc[expert] = acc.get(expert, 0.0) + c
     return out
+
+
+def mix_tables(
+    tables: Mapping[str, Mapping[int, Mapping[int, float]]], weights: Mapping[str, float]
+) -> dict[int, dict[int, float]]:
+    """Several domains' tables as one, each domain by its weight: per layer, every domain's counts are
+    first made shares of that layer (as usefulness is, above), so a domain with ten times the tokens
+    weighs what its weight says, not ten times more. A weight without a table adds nothing."""
+    out: dict[int, dict[int, float]] = {}
+    for domain, weight in weights.items():
+        for layer, per_expert in tables.get(domain, {}).items():
+            layer_total = sum(c for c in per_expert.values() if c > 0)
+            if layer_total <= 0 or weight <= 0:
+                continue
+            acc = out.setdefault(layer, {})
+            for expert, c in per_expert.items():
+                if c > 0:
+                    acc[expert] = acc.get(expert, 0.0) + weight * c / layer_total
+    return out

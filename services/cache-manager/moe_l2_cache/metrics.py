@@ -92,6 +92,13 @@ class ServiceCollector(Collector):
         if h.active_domain:
             active.add_metric([h.active_domain], 1.0)
         yield active
+        if h.traffic is not None:
+            share = GaugeMetricFamily(
+                _P + "traffic_share", "hot-set scope traffic: a domain's decayed share of the hints", labels=["domain"]
+            )
+            for domain, value in h.traffic.items():
+                share.add_metric([domain], value)
+            yield share
 
     def _engine_cache(self) -> Iterator[Metric]:
         if self.service.engine_cache is None:

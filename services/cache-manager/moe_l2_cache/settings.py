@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
@@ -69,6 +69,18 @@ class CacheSettings(ServiceSettings):
     )
     dwell_s: float = Field(
         default=10.0, ge=0, description="minimum time a domain stays active before another takes over"
+    )
+    hot_set_scope: Literal["domain", "traffic"] = Field(
+        default="domain",
+        description="domain: push the active domain's hot set; traffic: the hot set of the domains hinted "
+        "recently, each by its decayed share of the hints (a replica serving several domains at once)",
+    )
+    # 60 s: several dwells (10 s), so a push reflects about a minute of requests rather than the last
+    # few (a spill-over burst of a hot domain moves the mix only by its share of that minute), yet a
+    # domain the gateway moves to another replica (failover, rebalancing) falls under 10% of the mix
+    # log2(10) = 3.3 half-lives after its last hint, about 3 minutes.
+    traffic_half_life_s: float = Field(
+        default=60.0, gt=0, description="traffic scope: a hint's weight in the mix halves this often"
     )
     buffer_max_cells: int = Field(
         default=1_000_000,

@@ -144,6 +144,13 @@ class HintStats(BaseModel):
     pushes: int = Field(description="hot sets posted to llama")
     push_errors: int
     last_push_error: str | None = None
+    scope: Literal["domain", "traffic"] = Field(
+        default="domain", description="whose hot set is pushed: the active domain's, or the recent traffic's"
+    )
+    traffic: dict[str, float] | None = Field(
+        default=None,
+        description="traffic scope: each recently hinted domain's decayed share of the hints (they sum to 1)",
+    )
 
 
 class StatsResponse(BaseModel):
