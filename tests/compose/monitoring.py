@@ -8,6 +8,11 @@ from tests.compose.checks import PORTS, SCRAPED
 from tests.compose.loading import COMPOSE, GRAFANA, PROMETHEUS
 from tests.compose.shapes import as_argv, as_dict, mounts
 
+# The services compose scales (`docker compose up --scale NAME=N`): Prometheus discovers each replica
+# through Docker's DNS (type A on the service name), so every replica is its own target, and its
+# `instance` is the replica's address:port, as the gateway dials it.
+DNS_DISCOVERED = {"predictor", "llama"}
+
 
 def check_prometheus(config: dict[str, Any], doc: dict[str, Any]) -> None:
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
@@ -15,14 +20,15 @@ def check_prometheus(config: dict[str, Any], doc: dict[str, Any]) -> None:
     for job in jobs.values():
         for static in job.get("static_configs", []):
             targets |= set(static.get("targets", []))
-    predictor = jobs.get("predictor", {})
-    dns = [
-        d
-        for d in predictor.get("dns_sd_configs", [])
-        if d.get("type") == "A" and "predictor" in d.get("names", []) and d.get("port") == PORTS["predictor"]
-    ]
-    assert dns, "the predictor replicas are discovered through DNS (type A, port 11437)"
-    for name in SCRAPED - {"predictor"}:
+    for name in sorted(DNS_DISCOVERED):
+        dns = [
+            d
+            for d in jobs.get(name, {}).get("dns_sd_configs", [])
+            if d.get("type") == "A" and d.get("names") == [name] and d.get("port") == PORTS[name]
+        ]
+        assert dns, f"the {name} replicas are discovered through DNS (type A, port {PORTS[name]})"
+        assert not jobs[name].get("static_configs"), f"{name}: a static target beside DNS discovery"
+    for name in SCRAPED - DNS_DISCOVERED:
         expected = {f"{name}:{PORTS[name]}"} | ({f"localhost:{PORTS[name]}"} if name == "prometheus" else set())
         assert targets & expected, f"prometheus does not scrape {name}"
     for target in targets:

@@ -244,10 +244,17 @@ def test_monitoring_checks_catch_mutations(
         broken["scrape_configs"] = [j for j in broken["scrape_configs"] if j["job_name"] != job]
         with pytest.raises(AssertionError):
             check_prometheus(broken, doc)
+    for job in ("predictor", "llama"):
+        broken = copy.deepcopy(prometheus_config)
+        next(j for j in broken["scrape_configs"] if j["job_name"] == job)["dns_sd_configs"][0]["port"] = 80
+        with pytest.raises(AssertionError):
+            check_prometheus(broken, doc)
     broken = copy.deepcopy(prometheus_config)
-    next(j for j in broken["scrape_configs"] if j["job_name"] == "predictor")["dns_sd_configs"][0]["port"] = 80
+    llama = next(j for j in broken["scrape_configs"] if j["job_name"] == "llama")
+    llama["static_configs"] = [{"targets": ["llama:11436"]}]
+    llama.pop("dns_sd_configs")
     with pytest.raises(AssertionError):
-        check_prometheus(broken, doc)
+        check_prometheus(broken, doc)  # one target: `--scale llama=N` would scrape whichever DNS answers
 
     datasources, providers, dashboard = grafana_files
     broken_dash = copy.deepcopy(dashboard)
