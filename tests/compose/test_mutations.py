@@ -31,7 +31,7 @@ from tests.compose.checks import (
 )
 from tests.compose.dockerfiles import check_dockerfile
 from tests.compose.loading import ROOT, interpolate, merge
-from tests.compose.monitoring import check_grafana, check_prometheus
+from tests.compose.monitoring import check_grafana, check_prometheus, check_replica_rows, gateway_metric_names
 
 _DELETE = object()
 
@@ -244,10 +244,17 @@ def test_monitoring_checks_catch_mutations(
         broken["scrape_configs"] = [j for j in broken["scrape_configs"] if j["job_name"] != job]
         with pytest.raises(AssertionError):
             check_prometheus(broken, doc)
+    for job in ("predictor", "llama"):
+        broken = copy.deepcopy(prometheus_config)
+        next(j for j in broken["scrape_configs"] if j["job_name"] == job)["dns_sd_configs"][0]["port"] = 80
+        with pytest.raises(AssertionError):
+            check_prometheus(broken, doc)
     broken = copy.deepcopy(prometheus_config)
-    next(j for j in broken["scrape_configs"] if j["job_name"] == "predictor")["dns_sd_configs"][0]["port"] = 80
+    llama = next(j for j in broken["scrape_configs"] if j["job_name"] == "llama")
+    llama["static_configs"] = [{"targets": ["llama:11436"]}]
+    llama.pop("dns_sd_configs")
     with pytest.raises(AssertionError):
-        check_prometheus(broken, doc)
+        check_prometheus(broken, doc)  # one target: `--scale llama=N` would scrape whichever DNS answers
 
     datasources, providers, dashboard = grafana_files
     broken_dash = copy.deepcopy(dashboard)
@@ -262,3 +269,46 @@ def test_monitoring_checks_catch_mutations(
     broken_providers["providers"][0]["options"]["path"] = "/var/lib/grafana/dashboards"
     with pytest.raises(AssertionError):
         check_grafana(datasources, broken_providers, dashboard, doc)
+
+
+def _replica_panel(dashboard: dict[str, Any], title_start: str) -> dict[str, Any]:
+    return next(p for p in dashboard["panels"] if p.get("title", "").startswith(title_start))
+
+
+def _set_expr(panel: dict[str, Any], old: str, new: str) -> None:
+    target = next(t for t in panel["targets"] if old in t["expr"])
+    target["expr"] = target["expr"].replace(old, new)
+
+
+REPLICA_MUTATIONS: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "a replica panel shows every replica's hits": lambda d: _set_expr(
+        _replica_panel(d, "Expert hot-set hit rate on"), '{instance="$replica"}', ""
+    ),
+    "llama's series filtered by the gateway's label": lambda d: _set_expr(
+        _replica_panel(d, "Decode tokens/s on"), 'instance="$replica"', 'replica="$replica"'
+    ),
+    "the gateway's series filtered by instance": lambda d: _set_expr(
+        _replica_panel(d, "Domain mix routed to"), 'replica="$replica"', 'instance="$replica"'
+    ),
+    "a series the gateway does not export": lambda d: _set_expr(
+        _replica_panel(d, "Routing decisions"), "moe_l2_routing_decisions_total", "moe_l2_routing_choices_total"
+    ),
+    "an undefined variable": lambda d: _set_expr(
+        _replica_panel(d, "In flight on"), 'replica="$replica"', 'replica="$llama"'
+    ),
+    "the row repeats over nothing": lambda d: next(p for p in d["panels"] if p.get("repeat")).update(repeat="llama"),
+    "the variable lists llama's instances": lambda d: d["templating"]["list"][0].update(
+        query={"query": "label_values(llamacpp:tokens_predicted_total, instance)"}
+    ),
+    "one replica only": lambda d: d["templating"]["list"][0].update(multi=False, includeAll=False),
+}
+
+
+@pytest.mark.parametrize("mutation", sorted(REPLICA_MUTATIONS))
+def test_replica_row_checks_catch_mutations(mutation: str, grafana_files: tuple[dict[str, Any], ...]) -> None:
+    dashboard = copy.deepcopy(grafana_files[2])
+    names = gateway_metric_names()
+    check_replica_rows(dashboard, names)
+    REPLICA_MUTATIONS[mutation](dashboard)
+    with pytest.raises(AssertionError):
+        check_replica_rows(dashboard, names)

@@ -22,6 +22,9 @@ EXPOSED = {"proxy"}
 SCRAPED = set(MOE_L2_SERVICES)
 # Those that read the admin token (the same as compose's holders).
 TOKEN_READERS = TOKEN_HOLDERS
+# llama replicas per target: the gpu overlay runs two for the gateway's expert-affinity routing
+# (deploy/kubernetes/overlays/gpu/llama-gpu.yaml says why); the base and the CPU overlay one.
+LLAMA_REPLICAS = {"base": 1, "cpu": 1, "gpu": 2}
 
 
 def check_no_gpu(objects: list[Obj]) -> None:
@@ -45,10 +48,11 @@ def check_gpu(objects: list[Obj]) -> None:
 
 
 def check_llama_pod(objects: list[Obj]) -> None:
-    """llama-server and its cache-manager: one pod, one replica (no affinity routing yet), the
-    cache-manager on its own llama-server and the same model file, read-only."""
+    """llama-server and its cache-manager: one pod per replica, the cache-manager on its own
+    llama-server and the same model file, read-only."""
     llama_set = find(objects, "StatefulSet", "llama")
-    assert llama_set["spec"].get("replicas") == 1, "more llama replicas need issue 16's affinity routing"
+    replicas = llama_set["spec"].get("replicas", 1)
+    assert isinstance(replicas, int) and replicas >= 1, f"llama replicas: {replicas!r}"
     names = [c["name"] for c in pod_spec(llama_set)["containers"]]
     assert sorted(names) == ["cache-manager", "llama"], names
     headless = find(objects, "Service", llama_set["spec"]["serviceName"])
@@ -205,6 +209,58 @@ def check_network_policies(objects: list[Obj]) -> None:
     for service in (o for o in objects if o["kind"] == "Service"):
         kind = service["spec"].get("type", "ClusterIP")
         assert kind == "ClusterIP", f"Service {service['metadata']['name']} is a {kind}"
+
+
+def admits(objects: list[Obj], labels: dict[str, str], client: str, port: int) -> bool:
+    """Whether NetworkPolicy lets pods named `client` (app.kubernetes.io/name) open `port` on the
+    pods labelled `labels`: some ingress rule of a policy selecting them names both."""
+    for policy in objects:
+        if policy["kind"] != "NetworkPolicy" or not _selects(policy["spec"]["podSelector"], labels):
+            continue
+        for rule in policy["spec"].get("ingress", []):
+            ports = {int(p["port"]) for p in rule.get("ports", [])}
+            peers = rule.get("from")
+            from_client = not peers or any(
+                "podSelector" in peer
+                and "namespaceSelector" not in peer
+                and _selects(peer["podSelector"], {NAME: client})
+                for peer in peers
+            )
+            if from_client and (not ports or port in ports):
+                return True
+    return False
+
+
+def check_gateway_replicas(objects: list[Obj]) -> None:
+    """Issue 16's scale-out: the gateway routes over every llama pod (the headless Service's name,
+    which it expands to each ready pod's address) with expert affinity, sends each replica's hints
+    to the cache-manager in that pod ({host}: the pod's address), and may reach both ports; each
+    cache-manager keeps the hot set of the domains its replica serves."""
+    llama_set = find(objects, "StatefulSet", "llama")
+    headless = find(objects, "Service", llama_set["spec"]["serviceName"])
+    assert headless["spec"].get("clusterIP") == "None", "the gateway needs every pod's address: a headless Service"
+    llama, _ = containers(objects)["llama"]
+    cache, _ = containers(objects)["cache-manager"]
+    proxy, _ = containers(objects)["proxy"]
+    llama_port = port_number(llama, "llama")
+    cache_port = port_number(cache, "cache-manager")
+    [service_port] = headless["spec"]["ports"]
+    assert service_port["port"] == llama_port, "a headless Service's name resolves to pods: use their port"
+    variables = env(proxy)
+    assert proxy["args"] == ["python", "-m", "moe_l2_proxy"]
+    assert variables.get("MOE_L2_LLAMA_URLS") == f"http://{headless['metadata']['name']}:{llama_port}", (
+        f"the gateway does not reach every llama replica: {variables.get('MOE_L2_LLAMA_URLS')}"
+    )
+    assert variables.get("MOE_L2_CACHE_URLS") == f"http://{{host}}:{cache_port}", (
+        f"hints must go to the chosen replica's own cache-manager: {variables.get('MOE_L2_CACHE_URLS')}"
+    )
+    for single in ("MOE_L2_LLAMA_URL", "MOE_L2_CACHE_URL"):
+        assert single not in variables, f"{single} is ignored beside its _URLS list and would mislead"
+    assert variables.get("MOE_L2_PROXY_ROUTING") == "affinity"
+    assert variables.get("MOE_L2_PREDICTOR_URLS") == "http://predictor:11437"
+    assert env(cache).get("MOE_L2_CACHE_HOT_SET_SCOPE") == "traffic", "hot sets of the replica's traffic"
+    for port in (llama_port, cache_port):
+        assert admits(objects, pod_labels(llama_set), "proxy", port), f"the gateway cannot reach llama pods' :{port}"
 
 
 def check_services(objects: list[Obj]) -> None:
