@@ -3,6 +3,7 @@ gateway told about all of them. One replica is the stack as before, to the byte.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -235,6 +236,22 @@ def test_up_with_two_llama_replicas(llama_binary: Path, tmp_path: Path) -> None:
         pulled = [httpx.post(f"{url}/v1/pull", headers=headers, timeout=30).json() for url in cache_urls]
         assert pulled[0]["ok"] and pulled[0]["tokens"] == 0, pulled
         assert pulled[1]["ok"] and pulled[1]["tokens"] > 0, pulled
+
+        # `moe-l2 stats` told the replicas: each scraped, a row each (today's gateway reports none)
+        result = subprocess.run(
+            [sys.executable, "-m", "moe_l2_ops.cli", "stats", "--json", "--sample", "0"],
+            capture_output=True,
+            text=True,
+            env={**env, "MOE_L2_LLAMA_URLS": ",".join(llama_urls), "MOE_L2_CACHE_URLS": ",".join(cache_urls)},
+            timeout=60,
+        )
+        assert result.returncode == 0, result.stderr
+        doc = json.loads(result.stdout)
+        assert all(doc["services"][name] for name in ("llama-1", "llama-2", "cache-manager-1", "cache-manager-2"))
+        assert [(r["replica"], r["reachable"]) for r in doc["replicas"]] == [
+            (f"127.0.0.1:{llama}", True),
+            (f"127.0.0.1:{llama + 100}", True),
+        ]
 
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
