@@ -67,7 +67,10 @@ LLAMA_2 = llama_metrics({"chat": 150}, {"chat": 50, "translation": 100}, predict
 
 @pytest.fixture
 def no_replica_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    for name in ("MOE_L2_LLAMA_URLS", "MOE_L2_CACHE_URLS", "MOE_L2_LLAMA_URL", "MOE_L2_CACHE_URL", "MOE_L2_LLAMA_PORT"):
+    for name in (
+        *("MOE_L2_LLAMA_URLS", "MOE_L2_CACHE_URLS", "MOE_L2_LLAMA_URL", "MOE_L2_CACHE_URL"),
+        *("MOE_L2_LLAMA_PORT", "MOE_L2_CACHE_PORT", "MOE_L2_LLAMA_REPLICAS"),
+    ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("MOE_L2_STATE_DIR", str(tmp_path / "state"))  # no `moe-l2 up` running
 
@@ -211,3 +214,19 @@ def test_json_output_has_the_replicas(
     ]
     assert doc["replicas"][0]["top_domains"] == [["math", 0.6], ["code", 0.3], ["legal", 0.06]]
     assert doc["experts"]["hit_rate"] == 0.8077
+
+
+def test_the_replicas_moe_l2_up_starts_for_moe_l2_llama_replicas(
+    no_replica_env: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MOE_L2_LLAMA_REPLICAS", "2")
+    monkeypatch.setenv("MOE_L2_LLAMA_PORT", "20000")
+    monkeypatch.setenv("MOE_L2_CACHE_PORT", "21000")
+    services = OpsSettings().services()
+    assert (services["llama-1"], services["llama-2"]) == ("http://127.0.0.1:20000", "http://127.0.0.1:20100")
+    assert services["cache-manager-2"] == "http://127.0.0.1:21100"
+    # a URL given wins: that one service
+    monkeypatch.setenv("MOE_L2_LLAMA_URL", "http://llama:8080")
+    assert OpsSettings().llama_replica_urls() == ["http://llama:8080"]
+    monkeypatch.setenv("MOE_L2_LLAMA_REPLICAS", "lots")  # `moe-l2 up` refuses it; stats shows the one port
+    assert OpsSettings().cache_replica_urls() == ["http://127.0.0.1:21000"]

@@ -56,14 +56,28 @@ class OpsSettings(BaseSettings):
     ops_timeout_s: float = Field(default=3.0, gt=0)
 
     def llama_replica_urls(self) -> list[str]:
-        """MOE_L2_LLAMA_URLS, else the one MOE_L2_LLAMA_URL."""
-        return _url_list(self.llama_urls) or [self.llama_url.rstrip("/")]
+        """MOE_L2_LLAMA_URLS, else the one MOE_L2_LLAMA_URL, else the replicas `moe-l2 up` starts for
+        MOE_L2_LLAMA_REPLICAS."""
+        return _url_list(self.llama_urls) or self._local_replicas("llama_url")
 
     def cache_replica_urls(self) -> list[str]:
         """MOE_L2_CACHE_URLS, else the one MOE_L2_CACHE_URL (also when the list holds `{host}` templates,
-        which only the gateway can fill in)."""
+        which only the gateway can fill in), else the cache-managers of MOE_L2_LLAMA_REPLICAS replicas."""
         urls = _url_list(self.cache_urls)
-        return urls if urls and not any("{host}" in u for u in urls) else [self.cache_url.rstrip("/")]
+        return urls if urls and not any("{host}" in u for u in urls) else self._local_replicas("cache_url")
+
+    def _local_replicas(self, field: str) -> list[str]:
+        url = str(getattr(self, field)).rstrip("/")
+        port = urlsplit(url).port
+        if field in self.model_fields_set or port is None:
+            return [url]  # a URL given: that one
+        from moe_l2_ops.llama_replicas import PORT_STEP, default_replica_count
+
+        try:
+            count = default_replica_count()
+        except ValueError:
+            count = 1  # `moe-l2 up` refuses it; show what answers at the one port
+        return [f"http://127.0.0.1:{port + PORT_STEP * i}" for i in range(count)]
 
     def services(self) -> dict[str, str]:
         """name -> base URL of every HTTP service (one entry per llama, cache-manager, predictor replica)."""
