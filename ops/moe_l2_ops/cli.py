@@ -11,7 +11,10 @@ import sys
 
 # name -> (module with a `main(argv) -> int`, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "up": ("moe_l2_ops.stack", "start the whole stack as local processes, restarting any that dies"),
+    "up": (
+        "moe_l2_ops.stack",
+        "start the whole stack as local processes, restarting any that dies (--llama-replicas N)",
+    ),
     "build-llama": ("moe_l2_llama.build", "build the patched llama-server (cached)"),
     "make-demo-model": ("moe_l2_gguf.demo_model", "write a small MoE GGUF with a planted router"),
     "predict": ("moe_l2_predictor.predict_cli", "predict the domain of a prompt (in-process, or --url a predictor)"),

@@ -22,6 +22,7 @@ from typing import Literal
 
 import httpx
 
+from moe_l2_contracts.services import LLAMA
 from moe_l2_ops.stats import OpsSettings, format_bytes
 
 Status = Literal["pass", "warn", "fail"]
@@ -249,7 +250,8 @@ def check_services(settings: OpsSettings) -> list[Check]:
     out = []
     with httpx.Client(timeout=settings.ops_timeout_s) as client:
         for name, url in settings.services().items():
-            health = f"{url}/health" if name == "llama" else f"{url}/healthz"
+            is_llama = name == "llama" or name.startswith("llama-")  # llama-1..N: MOE_L2_LLAMA_URLS
+            health = f"{url}{LLAMA.health_path}" if is_llama else f"{url}/healthz"
             try:
                 code = client.get(health).status_code
                 out.append(Check(name, "pass" if code == 200 else "fail", f"{health} answered {code}"))

@@ -3,7 +3,9 @@
 The list of services lives in `stack_services`; a new service adds one builder there. A service
 that dies is restarted (moe_l2_ops.supervisor); Redis, llama and the gateway are required: when
 one of them is in a crash loop the stack stops with an error, while without the predictor or the
-cache-manager it keeps serving, degraded (keyword domains, no hot sets).
+cache-manager it keeps serving, degraded (keyword domains, no hot sets). `--llama-replicas N` runs N
+llama-servers, each with its own cache-manager (moe_l2_ops.llama_replicas); every one of the llamas
+is required.
 
 The admin token (moe_l2_contracts.admin) is MOE_L2_ADMIN_TOKEN (or the file MOE_L2_ADMIN_TOKEN_FILE
 names) when set, else `<state dir>/admin-token`, created at the first start; every service gets it.
@@ -30,6 +32,7 @@ from moe_l2_contracts.admin import (
     ensure_token_file,
 )
 from moe_l2_contracts.services import CACHE_MANAGER, LLAMA, PROXY
+from moe_l2_ops.llama_replicas import MAX_REPLICAS, REPLICAS_ENV, default_replica_count, parse_replica_count
 from moe_l2_ops.supervisor import (
     STATE_FILENAME,
     RestartPolicy,
@@ -128,11 +131,10 @@ def redis_service(settings: StackSettings) -> ServiceSpec:
 
 
 def llama_service(settings: StackSettings, model: Path, binary: Path, admin_token: str = "") -> ServiceSpec:
-    from moe_l2_llama.settings import LlamaSettings
-    from moe_l2_ops.llama_service import llama_service_spec
+    """The one llama-server of a stack without replicas (moe_l2_ops.llama_replicas for more)."""
+    from moe_l2_ops.llama_replicas import llama_spec, replicas
 
-    llama = LlamaSettings(admin_token=admin_token) if admin_token else LlamaSettings()
-    return llama_service_spec("llama", binary, model, llama, url_path="/v1", start_timeout_s=settings.start_timeout_s)
+    return llama_spec(settings, replicas(settings, 1)[0], model, binary, admin_token)
 
 
 def resolve_model(settings: StackSettings, model: Path | None) -> Path:
@@ -166,38 +168,35 @@ def python_service(
 
 
 def cache_manager_service(settings: StackSettings, model: Path) -> ServiceSpec:
-    return python_service(
-        "cache-manager",
-        "moe_l2_cache",
-        settings.cache_port,
-        {
-            "MOE_L2_MODEL_PATH": str(model),
-            "MOE_L2_REDIS_URL": f"redis://{settings.redis_host}:{settings.redis_port}/0",
-            "MOE_L2_LLAMA_URL": f"http://127.0.0.1:{settings.llama_port}",
-        },
-        # the gateway serves without it: no hints, no hot sets, until it is back
-        required=False,
-    )
+    """The one cache-manager of a stack without replicas (moe_l2_ops.llama_replicas for more)."""
+    from moe_l2_ops.llama_replicas import cache_manager_spec, replicas
+
+    return cache_manager_spec(settings, replicas(settings, 1)[0], model)
 
 
-def proxy_service(settings: StackSettings, predictor_urls: str) -> ServiceSpec:
+def proxy_service(settings: StackSettings, predictor_urls: str, llama_env: dict[str, str] | None = None) -> ServiceSpec:
+    """The gateway; `llama_env`: MOE_L2_LLAMA_URLS and MOE_L2_CACHE_URLS of the llama replicas, if several."""
     # MOE_L2_PREDICTOR_URLS set by the user wins over the replicas started here
     urls = os.environ.get("MOE_L2_PREDICTOR_URLS") or predictor_urls
-    return python_service("proxy", "moe_l2_proxy", settings.proxy_port, {"MOE_L2_PREDICTOR_URLS": urls})
+    env = {"MOE_L2_PREDICTOR_URLS": urls, **(llama_env or {})}
+    return python_service("proxy", "moe_l2_proxy", settings.proxy_port, env)
 
 
-def stack_services(settings: StackSettings, model: Path, binary: Path, admin_token: str = "") -> list[ServiceSpec]:
+def stack_services(
+    settings: StackSettings, model: Path, binary: Path, admin_token: str = "", llama_replicas: int = 1
+) -> list[ServiceSpec]:
     """The services of the local stack, in start order; the gateway last, once its upstreams answer.
-    Each gets `admin_token` (MOE_L2_ADMIN_TOKEN; llama's LLAMA_MOE_ADMIN_TOKEN) when one is given."""
-    # imported here: moe_l2_ops.predictor_replicas builds on this module's python_service()
+    Each gets `admin_token` (MOE_L2_ADMIN_TOKEN; llama's LLAMA_MOE_ADMIN_TOKEN) when one is given.
+    `llama_replicas`: llama-servers, each with its cache-manager (moe_l2_ops.llama_replicas)."""
+    # imported here: moe_l2_ops.predictor_replicas and llama_replicas build on this module's python_service()
+    from moe_l2_ops.llama_replicas import gateway_env, llama_replica_services
     from moe_l2_ops.predictor_replicas import predictor_services, predictor_urls
 
     services = [
         redis_service(settings),
-        llama_service(settings, model, binary, admin_token),
-        cache_manager_service(settings, model),
+        *llama_replica_services(settings, model, binary, admin_token, llama_replicas),  # llama, cache-manager
         *predictor_services(),  # MOE_L2_PREDICTOR_REPLICAS processes
-        proxy_service(settings, predictor_urls()),
+        proxy_service(settings, predictor_urls(), gateway_env(settings, llama_replicas)),
     ]
     if admin_token:
         for spec in services:
@@ -206,9 +205,16 @@ def stack_services(settings: StackSettings, model: Path, binary: Path, admin_tok
 
 
 def check_ports(services: list[ServiceSpec]) -> None:
+    """Every service's port is free, and no two services of the stack share one."""
+    taken: dict[int, str] = {}
     for spec in services:
         host_port = spec.url.split("//", 1)[1].split("/", 1)[0]
         host, _, port = host_port.rpartition(":")
+        if (other := taken.setdefault(int(port), spec.name)) != spec.name:
+            raise SupervisorError(
+                f"{spec.name} and {other} would both listen on port {port}; move one (MOE_L2_*_PORT: "
+                f"replicas take the port + 100·i)"
+            )
         if port_in_use(host, int(port)):
             raise SupervisorError(
                 f"{spec.name}: port {port} on {host} is already in use; stop what runs there "
@@ -232,7 +238,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=os.environ.get("MOE_L2_MODEL_PATH") or os.environ.get("MODEL") or None,
         help="GGUF model to serve (default: MOE_L2_MODEL_PATH; a generated demo MoE model if unset)",
     )
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--llama-replicas",
+        metavar="N",
+        type=_replica_count,
+        default=None,
+        help=f"llama-servers to start, 1 to {MAX_REPLICAS}, each with its own cache-manager; replica i on "
+        "MOE_L2_LLAMA_PORT + 100·i and MOE_L2_CACHE_PORT + 100·i, the gateway routing over all of them "
+        f"(default: {REPLICAS_ENV}, else 1)",
+    )
+    args = parser.parse_args(argv)
+    if args.llama_replicas is None:
+        try:
+            args.llama_replicas = default_replica_count()
+        except ValueError as exc:
+            parser.error(str(exc))
+    return args
+
+
+def _replica_count(value: str) -> int:
+    try:
+        return parse_replica_count(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"must be a whole number from 1 to {MAX_REPLICAS}, not {value!r}") from exc
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -253,18 +281,21 @@ def main(argv: list[str] | None = None) -> int:
         binary = llama_server_binary(LlamaSettings())
         model = resolve_model(settings, Path(args.model) if args.model else None)
         admin_token = stack_admin_token(settings)
-        services = stack_services(settings, model, binary, admin_token)
+        services = stack_services(settings, model, binary, admin_token, args.llama_replicas)
         check_ports(services)
         for spec in services:
             print(f"starting {spec.name} ...", file=sys.stderr, flush=True)
             supervisor.start(spec)
         print("\nmoe-l2 is up:", flush=True)
+        width = max(14, *(len(spec.name) for spec in services))
         for spec in services:
-            print(f"  {spec.name:<14} {spec.url}", flush=True)
-        print(f"  model          {model}\n  logs           {supervisor.log_dir}", flush=True)
-        print(f"  state          {settings.state_file}", flush=True)
+            print(f"  {spec.name:<{width}} {spec.url}", flush=True)
+        print(f"  {'model':<{width}} {model}\n  {'logs':<{width}} {supervisor.log_dir}", flush=True)
+        print(f"  {'state':<{width}} {settings.state_file}", flush=True)
         if not configured_token():
-            print(f"  admin token    {settings.admin_token_file}", flush=True)
+            print(f"  {'admin token':<{width}} {settings.admin_token_file}", flush=True)
+        if args.llama_replicas > 1:
+            print(f"  the gateway routes over {args.llama_replicas} llama replicas, each with its cache-manager")
         print("Ctrl-C stops everything.", flush=True)
         supervisor.watch()
     except KeyboardInterrupt:

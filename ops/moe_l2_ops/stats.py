@@ -5,6 +5,12 @@ and hot-set sizes, the expert cache's hit rate and host→device bytes per token
 figure comes from the same Prometheus series the dashboard shows, so the terminal and Grafana never
 disagree. Under `moe-l2 up`, the restarts of each service come from the supervisor's state file
 (moe_l2_ops.supervisor).
+
+Several llama replicas (MOE_L2_LLAMA_URLS, `moe-l2 up --llama-replicas N`, or more than one reported
+by the gateway's moe_l2_replica_* series): the screen's totals add up every replica, and a section per
+replica shows whether the gateway has it in rotation, its requests in flight and in all, its top
+domains and the hot-set hit rate from that llama's own counters. A replica the gateway reports but
+this side was not told about is scraped at the `host:port` the gateway dials.
 """
 
 from __future__ import annotations
@@ -12,10 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -36,8 +44,10 @@ class OpsSettings(BaseSettings):
 
     proxy_url: str = Field(default_factory=lambda: PROXY.local_url())
     llama_url: str = Field(default_factory=lambda: LLAMA.local_url())
+    llama_urls: str = Field(default="", description="every llama replica, comma-separated; else llama_url")
     predictor_urls: str = Field(default_factory=lambda: PREDICTOR.local_url())
     cache_url: str = Field(default_factory=lambda: CACHE_MANAGER.local_url())
+    cache_urls: str = Field(default="", description="the cache-manager of each llama replica; else cache_url")
     redis_url: str = Field(
         default_factory=lambda: (
             f"redis://{os.environ.get('MOE_L2_REDIS_HOST', '127.0.0.1')}:{os.environ.get('MOE_L2_REDIS_PORT', 6379)}/0"
@@ -45,13 +55,50 @@ class OpsSettings(BaseSettings):
     )
     ops_timeout_s: float = Field(default=3.0, gt=0)
 
+    def llama_replica_urls(self) -> list[str]:
+        """MOE_L2_LLAMA_URLS, else the one MOE_L2_LLAMA_URL, else the replicas `moe-l2 up` starts for
+        MOE_L2_LLAMA_REPLICAS."""
+        return _url_list(self.llama_urls) or self._local_replicas("llama_url")
+
+    def cache_replica_urls(self) -> list[str]:
+        """MOE_L2_CACHE_URLS, else the one MOE_L2_CACHE_URL (also when the list holds `{host}` templates,
+        which only the gateway can fill in), else the cache-managers of MOE_L2_LLAMA_REPLICAS replicas."""
+        urls = _url_list(self.cache_urls)
+        return urls if urls and not any("{host}" in u for u in urls) else self._local_replicas("cache_url")
+
+    def _local_replicas(self, field: str) -> list[str]:
+        url = str(getattr(self, field)).rstrip("/")
+        port = urlsplit(url).port
+        if field in self.model_fields_set or port is None:
+            return [url]  # a URL given: that one
+        from moe_l2_ops.llama_replicas import PORT_STEP, default_replica_count
+
+        try:
+            count = default_replica_count()
+        except ValueError:
+            count = 1  # `moe-l2 up` refuses it; show what answers at the one port
+        return [f"http://127.0.0.1:{port + PORT_STEP * i}" for i in range(count)]
+
     def services(self) -> dict[str, str]:
-        """name -> base URL of every HTTP service (one entry per predictor replica)."""
-        out = {"proxy": self.proxy_url, "llama": self.llama_url, "cache-manager": self.cache_url}
-        predictors = [u.strip() for u in self.predictor_urls.split(",") if u.strip()]
-        for i, url in enumerate(predictors):
-            out["predictor" if len(predictors) == 1 else f"predictor-{i + 1}"] = url
+        """name -> base URL of every HTTP service (one entry per llama, cache-manager, predictor replica)."""
+        out = {"proxy": self.proxy_url}
+        for service, urls in (
+            ("llama", self.llama_replica_urls()),
+            ("cache-manager", self.cache_replica_urls()),
+            ("predictor", _url_list(self.predictor_urls)),
+        ):
+            for i, url in enumerate(urls):
+                out[service if len(urls) == 1 else f"{service}-{i + 1}"] = url
         return {name: url.rstrip("/") for name, url in out.items()}
+
+
+def _url_list(urls: str) -> list[str]:
+    return [u.strip().rstrip("/") for u in urls.split(",") if u.strip()]
+
+
+def replica_key(url: str) -> str:
+    """The `host:port` of a llama URL: what the gateway's `replica` label says of it."""
+    return urlsplit(url).netloc.lower() or url
 
 
 def parse_metrics(text: str) -> Samples:
@@ -64,19 +111,49 @@ def parse_metrics(text: str) -> Samples:
 
 def scrape(settings: OpsSettings, problems: dict[str, str] | None = None) -> dict[str, Samples | None]:
     """/metrics of every service; None for a service that did not answer (why, in `problems`)."""
-    out: dict[str, Samples | None] = {}
     with httpx.Client(timeout=settings.ops_timeout_s) as client:
-        for name, url in settings.services().items():
-            out[name] = None
-            try:
-                resp = client.get(f"{url}/metrics")
-                if resp.status_code == 200:
-                    out[name] = parse_metrics(resp.text)
-                elif problems is not None:
-                    problems[name] = f"/metrics answered {resp.status_code}"
-            except (httpx.HTTPError, ValueError) as exc:
-                if problems is not None:
-                    problems[name] = f"{type(exc).__name__}: {exc}"[:300]
+        return {name: _scrape_one(client, name, url, problems) for name, url in settings.services().items()}
+
+
+def _scrape_one(client: httpx.Client, name: str, url: str, problems: dict[str, str] | None) -> Samples | None:
+    try:
+        resp = client.get(f"{url}/metrics")
+        if resp.status_code == 200:
+            return parse_metrics(resp.text)
+        if problems is not None:
+            problems[name] = f"/metrics answered {resp.status_code}"
+    except (httpx.HTTPError, ValueError) as exc:
+        if problems is not None:
+            problems[name] = f"{type(exc).__name__}: {exc}"[:300]
+    return None
+
+
+REPLICA_SERIES = ("moe_l2_replica_healthy", "moe_l2_replica_in_flight", "moe_l2_replica_requests_total")
+
+
+def gateway_replicas(proxy: Samples | None) -> list[str]:
+    """The llama replicas (`host:port`) the gateway's moe_l2_replica_* series name, in first-seen order."""
+    seen: dict[str, None] = {}
+    for series in REPLICA_SERIES:
+        for labels, _ in (proxy or {}).get(series, []):
+            if labels.get("replica"):
+                seen.setdefault(labels["replica"], None)
+    return list(seen)
+
+
+def scrape_replicas(
+    settings: OpsSettings, scraped: dict[str, Samples | None], problems: dict[str, str] | None = None
+) -> dict[str, Samples | None]:
+    """`host:port` -> /metrics of every llama replica: the configured ones (already in `scraped`), then
+    those only the gateway reports, scraped here at the address it dials."""
+    urls = settings.llama_replica_urls()
+    names = ["llama"] if len(urls) == 1 else [f"llama-{i + 1}" for i in range(len(urls))]
+    out = {replica_key(url): scraped.get(name) for name, url in zip(names, urls, strict=True)}
+    extra = [r for r in gateway_replicas(scraped.get("proxy")) if r not in out]
+    if extra:
+        with httpx.Client(timeout=settings.ops_timeout_s) as client:
+            for replica in extra:
+                out[replica] = _scrape_one(client, f"llama {replica}", f"http://{replica}", problems)
     return out
 
 
@@ -92,6 +169,12 @@ def _by(samples: Samples | None, name: str, label: str) -> dict[str, float]:
         key = labels.get(label, "")
         out[key] = out.get(key, 0.0) + value
     return out
+
+
+def _max(samples: Samples | None, name: str) -> float | None:
+    if samples is None or name not in samples:
+        return None
+    return max(value for _, value in samples[name])
 
 
 def _ratio(part: float | None, whole: float | None) -> float | None:
@@ -111,9 +194,11 @@ def _merged(scraped: dict[str, Samples | None], prefix: str) -> Samples | None:
     return merged
 
 
-def summarize(scraped: dict[str, Samples | None]) -> dict[str, Any]:
-    """The figures of one screen, from one scrape of every service."""
-    proxy, llama, cache = scraped.get("proxy"), scraped.get("llama"), scraped.get("cache-manager")
+def summarize(scraped: dict[str, Samples | None], llamas: dict[str, Samples | None] | None = None) -> dict[str, Any]:
+    """The figures of one screen, from one scrape of every service; `llamas`: every llama replica's
+    samples by `host:port` (scrape_replicas), for the per-replica section. Totals add up the replicas."""
+    # every llama and cache-manager replica together: counters add up, so do the pools' bytes
+    proxy, llama, cache = scraped.get("proxy"), _merged(scraped, "llama"), _merged(scraped, "cache-manager")
     predictor = _merged(scraped, "predictor")
     traffic = [
         (labels, v)
@@ -130,8 +215,10 @@ def summarize(scraped: dict[str, Samples | None]) -> dict[str, Any]:
     pinned = _total(cache, "moe_l2_cache_pool_pinned_bytes")
     resident = _total(cache, "moe_l2_cache_pool_resident_bytes")
     active = [labels.get("domain", "") for labels, v in (cache or {}).get("moe_l2_cache_active_domain", []) if v]
+    configured = sum(1 for name in scraped if re.fullmatch(r"llama(-\d+)?", name))
     return {
         "services": {name: samples is not None for name, samples in scraped.items()},
+        "replicas": replica_summary(proxy, llamas or {}, configured),
         "requests": {
             "total": sum(by_status.values()),  # API traffic: the ops routes (OPS_ROUTES) left out
             "errors": sum(v for status, v in by_status.items() if status[:1] in ("4", "5")),
@@ -177,6 +264,51 @@ def summarize(scraped: dict[str, Samples | None]) -> dict[str, Any]:
     }
 
 
+def replica_summary(proxy: Samples | None, llamas: dict[str, Samples | None], configured: int) -> list[dict[str, Any]]:
+    """One entry per llama replica, when there are several (configured, or reported by the gateway);
+    [] for one. Gateway figures (rotation, in flight, requests, domains) are None for a replica the
+    gateway does not report; the hit rate is None for a llama that did not answer."""
+    reported = gateway_replicas(proxy)
+    if configured <= 1 and len(reported) <= 1:
+        return []
+    healthy = {k: v for k, v in _by(proxy, "moe_l2_replica_healthy", "replica").items() if k}
+    in_flight = {k: v for k, v in _by(proxy, "moe_l2_replica_in_flight", "replica").items() if k}
+    failures = _by(proxy, "moe_l2_replica_failures_total", "replica")
+    requests: dict[str, dict[str, float]] = {}
+    for labels, value in (proxy or {}).get("moe_l2_replica_requests_total", []):
+        domains = requests.setdefault(labels.get("replica", ""), {})
+        domains[labels.get("domain", "")] = domains.get(labels.get("domain", ""), 0.0) + value
+    rows = []
+    for replica in [*llamas, *(r for r in reported if r not in llamas)]:
+        known = replica in reported
+        domains = requests.get(replica, {})
+        total = sum(domains.values())
+        samples = llamas.get(replica)
+        hits = _total(samples, "llamacpp:moe_hot_hits_total")
+        misses = _total(samples, "llamacpp:moe_hot_misses_total")
+        rows.append(
+            {
+                "replica": replica,
+                "reported_by_gateway": known,
+                "in_rotation": bool(healthy[replica]) if replica in healthy else None,
+                "in_flight": in_flight.get(replica) if known else None,
+                "requests": total if known else None,
+                "failures": failures.get(replica, 0.0) if known else None,
+                "domains": domains,
+                "top_domains": [
+                    [d, round(n / total, 4)] for d, n in sorted(domains.items(), key=lambda kv: (-kv[1], kv[0]))[:3]
+                ]
+                if total
+                else [],
+                "reachable": samples is not None,
+                "hot_hits": hits,
+                "hot_misses": misses,
+                "hit_rate": _ratio(hits, (hits or 0.0) + (misses or 0.0)),
+            }
+        )
+    return rows
+
+
 def expert_cache_summary(llama: Samples | None) -> dict[str, Any] | None:
     """llama-server's expert cache (--moe-cache-bytes), since it started; None when it has none.
 
@@ -199,7 +331,7 @@ def expert_cache_summary(llama: Samples | None) -> dict[str, Any] | None:
     domain_bytes = _by(llama, "llamacpp:moe_cache_domain_h2d_bytes_total", "domain")
     return {
         "slots": slots,
-        "layers": _total(llama, "llamacpp:moe_cache_layers"),
+        "layers": _max(llama, "llamacpp:moe_cache_layers"),  # the same on every replica: not added up
         "device_bytes": _total(llama, "llamacpp:moe_cache_device_bytes"),
         "accesses": accesses,
         "hits": hits,
@@ -307,9 +439,33 @@ def render(stats: dict[str, Any]) -> str:
         f"tokens      prompt {_num(tok['prompt'])}, completion {_num(tok['completion'])}"
         + (f"; generated {tok['tokens_per_s']:g} tokens/s now" if tok["tokens_per_s"] is not None else ""),
     ]
+    if replicas := stats.get("replicas"):
+        lines += render_replicas(replicas)
     if supervised := stats.get("supervisor"):
         lines.append(f"restarts    {render_restarts(supervised)}")
     return "\n".join(lines)
+
+
+def render_replicas(replicas: list[dict[str, Any]]) -> list[str]:
+    """The per-replica section: one line per llama replica, its columns aligned."""
+    width = max(len(r["replica"]) for r in replicas)
+    lines = [f"replicas    {len(replicas)} llama replicas"]
+    for r in replicas:
+        if r["in_rotation"] is None:
+            rotation = "not reported by the gateway"
+        else:
+            rotation = "in rotation" if r["in_rotation"] else "OUT (cooling down)"
+        top = ", ".join(f"{d} {share:.0%}" for d, share in r["top_domains"]) or "-"
+        text = (
+            f"  {r['replica']:<{width}}  {rotation}, in flight {_num(r['in_flight'])}, "
+            f"requests {_num(r['requests'])} ({top}), hot-set hit rate {_pct(r['hit_rate'])}"
+        )
+        if r["failures"]:
+            text += f", failures {_num(r['failures'])}"
+        if not r["reachable"]:
+            text += " (its /metrics did not answer)"
+        lines.append(text)
+    return lines
 
 
 def render_expert_cache(cache: dict[str, Any] | None) -> str:
@@ -361,7 +517,8 @@ class Screen:
 
 def take(settings: OpsSettings, previous: Screen | None) -> Screen:
     problems: dict[str, str] = {}
-    screen = Screen(summarize(scrape(settings, problems)), time.monotonic())
+    scraped = scrape(settings, problems)
+    screen = Screen(summarize(scraped, scrape_replicas(settings, scraped, problems)), time.monotonic())
     screen.stats["problems"] = problems
     screen.stats["supervisor"] = read_supervisor()
     if previous is not None:
@@ -374,8 +531,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="moe-l2 stats",
         description="Figures of the running moe-l2 services (from their /metrics). Service URLs: "
-        "MOE_L2_PROXY_URL, MOE_L2_LLAMA_URL, MOE_L2_PREDICTOR_URLS, MOE_L2_CACHE_URL, else the "
-        "MOE_L2_*_PORT of `moe-l2 up`.",
+        "MOE_L2_PROXY_URL, MOE_L2_LLAMA_URLS (else MOE_L2_LLAMA_URL), MOE_L2_PREDICTOR_URLS, "
+        "MOE_L2_CACHE_URLS (else MOE_L2_CACHE_URL), else the MOE_L2_*_PORT of `moe-l2 up`. Several llama "
+        "replicas (listed, or reported by the gateway) get a section each.",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of the text screen")
     parser.add_argument("--watch", action="store_true", help="refresh until Ctrl-C, with live tokens/s")
