@@ -14,17 +14,6 @@ from tests.compose.shapes import as_argv, as_dict, mounts
 # `instance` is the replica's address:port, as the gateway dials it.
 DNS_DISCOVERED = {"predictor", "llama"}
 
-# The gateway's per-replica series (issue 16, /work/notes/scaleout-spec.md). They are being added to
-# services/proxy/moe_l2_proxy/metrics.py in parallel with the dashboard's replica rows; listed here
-# so that the checks hold before that lands. Once GatewayMetrics registers them, gateway_metric_names()
-# finds them there too and this set can go.
-REPLICA_METRICS = {
-    "moe_l2_replica_requests_total",  # {replica, domain}
-    "moe_l2_replica_in_flight",  # {replica}
-    "moe_l2_replica_healthy",  # {replica}: 1 in rotation, 0 cooling down
-    "moe_l2_replica_failures_total",  # {replica, reason}
-    "moe_l2_routing_decisions_total",  # {policy, outcome}
-}
 # The label naming one llama replica in each source's series: the gateway's `replica` (host:port as
 # it dials the replica) and Prometheus' `instance` of that llama-server's scrape (the same host:port).
 REPLICA_LABELS = {"moe_l2_": "replica", "llamacpp:": "instance", "up": "instance"}
@@ -102,11 +91,10 @@ def check_grafana(
 
 def gateway_metric_names() -> set[str]:
     """The series names the gateway exports: its registry's families (a counter `x` as `x_total`, a
-    histogram's `_bucket`/`_sum`/`_count`), labelled ones included before any sample, plus those of
-    REPLICA_METRICS (not in the code yet)."""
+    histogram's `_bucket`/`_sum`/`_count`), labelled ones included before any sample."""
     from moe_l2_proxy.metrics import GatewayMetrics
 
-    names = set(REPLICA_METRICS)
+    names: set[str] = set()
     for family in GatewayMetrics().registry.collect():
         suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}.get(family.type, ("",))
         names |= {family.name + suffix for suffix in suffixes}

@@ -49,13 +49,6 @@ from tests.test_env_convention import SETTINGS, env_names
 K8S_VERSIONS = ("1.32", kubernetes_validate.utils.latest_version())
 # moe_l2_domains.known reads the extra domains itself, in every service that checks a domain tag.
 READ_OUTSIDE_SETTINGS = {EXTRA_DOMAINS_ENV}
-# Issue 16's settings (/work/notes/scaleout-spec.md), being added to the gateway's and the
-# cache-manager's settings in parallel with these manifests: accepted here until their settings
-# classes read them (then this can go; the names must not change).
-ISSUE_16_SETTINGS = {
-    "proxy": {"MOE_L2_LLAMA_URLS", "MOE_L2_CACHE_URLS", "MOE_L2_PROXY_ROUTING"},
-    "cache-manager": {"MOE_L2_CACHE_HOT_SET_SCOPE"},
-}
 DASHBOARD = (GRAFANA / "dashboards" / "moe-l2.json").read_text()
 
 
@@ -152,7 +145,6 @@ def test_every_variable_is_read(target: str) -> None:
             read = set(re.findall(r"\$\{?(MOE_L2_\w+)", " ".join(container["command"])))
         elif name in SETTINGS:
             read = {n for names in env_names(SETTINGS[name]).values() for n in names} | READ_OUTSIDE_SETTINGS
-            read |= ISSUE_16_SETTINGS.get(name, set())
         else:
             continue
         given = {e["name"] for e in container.get("env", []) if e["name"].startswith("MOE_L2_")}

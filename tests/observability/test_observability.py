@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from moe_l2_cache.gpu import METRIC_NAMES as GPU_METRICS
 from moe_l2_cache.gpu import GpuCollector, GpuStats
 from moe_l2_ops.stats import parse_metrics
-from tests.compose.monitoring import REPLICA_METRICS, gateway_metric_names
+from tests.compose.monitoring import gateway_metric_names
 from tests.observability.conftest import SCRAPE_INTERVAL_S, LocalStack, Prometheus, restart
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,15 +84,6 @@ def expand(expr: str, replica: str | None = None) -> str:
     if replica is not None:
         expr = expr.replace("$replica", replica)
     return expr
-
-
-def pending_replica_metrics() -> set[str]:
-    """The gateway's per-replica series the dashboard queries that its code does not register yet
-    (issue 16 adds them to moe_l2_proxy.metrics in parallel): their queries must parse, not return data."""
-    from moe_l2_proxy.metrics import GatewayMetrics
-
-    registered = {f.name for f in GatewayMetrics().registry.collect()}
-    return {n for n in REPLICA_METRICS if n not in registered and n.removesuffix("_total") not in registered}
 
 
 _STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'')
@@ -276,17 +267,12 @@ def test_every_panel_query_returns_data(
     data = prometheus.query(expr)  # asserts Prometheus parsed and evaluated it
     if gpu_only(panel) or needs_expert_cache(panel):
         return  # well-formed is all a machine without a GPU (or a stack without the cache) can show
-    pending = metric_names(expr) & pending_replica_metrics()
-    if pending:
-        pytest.skip(f"the gateway does not export {sorted(pending)} yet (issue 16): the query parses")
     assert data["result"], f"{expr} returned no series"
 
 
 def test_replica_label_is_llama_s_instance(stack: LocalStack, prometheus: Prometheus, scraped: int) -> None:
     """The replica rows join the gateway's series (label `replica`) with llama's (Prometheus'
     `instance`): the replica variable's values must be the llama targets' instances."""
-    if pending_replica_metrics():
-        pytest.skip(f"the gateway does not export {sorted(pending_replica_metrics())} yet (issue 16)")
     replicas = {
         r["metric"].get("replica") for r in prometheus.query("group by (replica) (moe_l2_replica_in_flight)")["result"]
     }
