@@ -187,3 +187,75 @@ def test_the_chosen_replicas_cache_manager_hears_the_domain() -> None:
 
     chosen, a, b = asyncio.run(go())
     assert (a, b) == ((["legal"], []) if chosen == URLS[0] else ([], ["legal"]))
+
+
+def test_discovered_pairing_asks_each_cache_manager_which_llama_it_serves() -> None:
+    async def resolver(host: str, port: int) -> list[str]:
+        return {"llama": ["172.18.0.5", "172.18.0.6"], "cache-manager": ["172.18.0.7", "172.18.0.8", "172.18.0.9"]}[
+            host
+        ]
+
+    serves = {  # what each cache-manager's GET /v1/stats says; .9 claimed nothing (or is not up)
+        "172.18.0.7": "http://172.18.0.6:11436",
+        "172.18.0.8": "http://172.18.0.5:11436",
+    }
+
+    def stats(request: httpx.Request) -> httpx.Response:
+        llama = serves.get(request.url.host)
+        return httpx.Response(200, json={"llama_url": llama}) if llama else httpx.Response(503)
+
+    config = ProxySettings(
+        llama_urls="http://llama:11436", cache_urls="http://cache-manager:11438", cache_pairing="discover"
+    )
+    hint_client = httpx.AsyncClient(transport=httpx.MockTransport(stats))
+    llamas = LlamaPool(
+        config, GatewayMetrics(), httpx.AsyncClient(), httpx.AsyncHTTPTransport(), hint_client, DOMAINS, resolver
+    )
+
+    async def go() -> dict[str, str | None]:
+        await llamas.refresh()
+        paired = {r.key: r.hints.url if r.hints else None for r in llamas.replicas}
+        serves.pop("172.18.0.8")  # that cache-manager went away: its replica gets no hints
+        await llamas.refresh()
+        paired["after"] = llamas.replicas[0].hints.url if llamas.replicas[0].hints else None
+        await llamas.stop()
+        return paired
+
+    assert asyncio.run(go()) == {
+        "172.18.0.5:11436": "http://172.18.0.8:11438/v1/hint",
+        "172.18.0.6:11436": "http://172.18.0.7:11438/v1/hint",
+        "after": None,
+    }
+
+
+def test_discovered_pairing_takes_any_number_of_cache_manager_entries() -> None:
+    # position pairing would refuse 2 cache-managers for 3 llama entries; discovery does not pair by count
+    ProxySettings(
+        llama_urls="http://a:1,http://b:1,http://c:1", cache_urls="http://x:2,http://y:2", cache_pairing="discover"
+    )
+    with pytest.raises(ValueError, match="one per entry"):
+        ProxySettings(llama_urls="http://a:1,http://b:1,http://c:1", cache_urls="http://x:2,http://y:2")
+
+
+def test_a_cache_manager_that_names_llama_by_host_serves_its_address() -> None:
+    async def resolver(host: str, port: int) -> list[str]:
+        return {"llama": ["172.18.0.5"], "cache-manager": ["172.18.0.7"]}[host]
+
+    def stats(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"llama_url": "http://llama:11436"})  # no claim: as configured
+
+    config = ProxySettings(
+        llama_urls="http://llama:11436", cache_urls="http://cache-manager:11438", cache_pairing="discover"
+    )
+    hint_client = httpx.AsyncClient(transport=httpx.MockTransport(stats))
+    llamas = LlamaPool(
+        config, GatewayMetrics(), httpx.AsyncClient(), httpx.AsyncHTTPTransport(), hint_client, DOMAINS, resolver
+    )
+
+    async def go() -> str | None:
+        await llamas.refresh()
+        url = llamas.replicas[0].hints.url if llamas.replicas[0].hints else None
+        await llamas.stop()
+        return url
+
+    assert asyncio.run(go()) == "http://172.18.0.7:11438/v1/hint"

@@ -110,7 +110,8 @@ class LlamaPool:
         self.hint_client = hint_client
         self.resolver = resolver
         self.urls = settings.llama_url_list
-        self.cache_templates = settings.cache_url_templates()
+        discover = settings.cache_pairing == "discover"
+        self.cache_templates = [None] * len(self.urls) if discover else settings.cache_url_templates()
         self.authorization = llama_authorization(settings)
         self.policy = routing_policy(settings.routing, domains, settings.routing_epsilon)
         self.replicas: list[LlamaReplica] = []
@@ -120,6 +121,11 @@ class LlamaPool:
     # -- membership ------------------------------------------------------------------------------------
 
     async def refresh(self) -> None:
+        await self._refresh_replicas()
+        if self.settings.cache_pairing == "discover":
+            await self._discover_cache_managers()
+
+    async def _refresh_replicas(self) -> None:
         known = {r.key: r for r in self.replicas}
         replicas: list[LlamaReplica] = []
         for url, template in zip(self.urls, self.cache_templates, strict=True):
@@ -132,6 +138,34 @@ class LlamaPool:
         if [r.key for r in replicas] != [r.key for r in self.replicas]:
             log.info("llama replicas: %s", ", ".join(r.url for r in replicas) or "none")
         self.replicas = replicas
+
+    async def _discover_cache_managers(self) -> None:
+        """Each replica's hints to the cache-manager that says it serves that replica (GET /v1/stats
+        `llama_url`): with `--scale cache-manager=N`, each one claims a llama replica of its own."""
+        serving: dict[str, str] = {}
+        for url in self.settings.cache_url_list:
+            for endpoint in await expand(url, self.resolver, "cache-manager"):
+                llama = await self._served_by(endpoint.url)
+                if llama is None:
+                    continue
+                # a cache-manager that claims no replica names llama as configured (a host name)
+                for served in await expand(llama, self.resolver, "llama"):
+                    serving.setdefault(replica_key(served.url), endpoint.url)
+        for replica in self.replicas:
+            cache_url = serving.get(replica.key)
+            if (replica.hints.url if replica.hints else None) != (f"{cache_url}/v1/hint" if cache_url else None):
+                log.info("llama replica %s: cache-manager %s", replica.url, cache_url or "none")
+                replica.hints = self._sender(cache_url)
+
+    async def _served_by(self, cache_url: str) -> str | None:
+        if self.hint_client is None:
+            return None
+        try:
+            resp = await self.hint_client.get(f"{cache_url}/v1/stats")
+            llama = resp.json().get("llama_url") if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+        return llama if isinstance(llama, str) else None
 
     def _replica(self, key: str, endpoint: Endpoint, cache_url: str | None) -> LlamaReplica:
         upstream = LlamaUpstream(endpoint.url, self.settings, self.metrics, self.client, self.transport)
@@ -152,7 +186,7 @@ class LlamaPool:
 
     async def start(self) -> None:
         await self.refresh()
-        if has_host_name(self.urls):
+        if has_host_name(self.urls) or self.settings.cache_pairing == "discover":
             self._tasks.append(asyncio.create_task(self._refresh_forever()))
         self._tasks.append(asyncio.create_task(self._probe_forever()))
 

@@ -102,6 +102,12 @@ class ProxySettings(ServiceSettings):
         description="comma-separated, one cache-manager per entry of MOE_L2_LLAMA_URLS in the same order; "
         "`{host}` stands for the replica's address (a cache-manager beside each replica); empty: MOE_L2_CACHE_URL",
     )
+    cache_pairing: Literal["position", "discover"] = Field(
+        default="position",
+        description="how a llama replica finds its cache-manager: `position` pairs the entries of "
+        "MOE_L2_CACHE_URLS with those of MOE_L2_LLAMA_URLS; `discover` asks every address of every "
+        "MOE_L2_CACHE_URLS entry which llama it serves (GET /v1/stats), for `--scale cache-manager=N`",
+    )
     hint_queue_size: int = Field(default=256, ge=1)
     hint_timeout_s: float = Field(default=1.0, gt=0)
 
@@ -153,7 +159,8 @@ class ProxySettings(ServiceSettings):
 
     @model_validator(mode="after")
     def _cache_urls_pair_up(self) -> ProxySettings:
-        self.cache_url_templates()
+        if self.cache_pairing == "position":
+            self.cache_url_templates()
         return self
 
     def cache_url_templates(self) -> list[str | None]:
