@@ -371,6 +371,7 @@ def _routes(app: FastAPI) -> None:
             pool=pool,
             flywheel=service.flywheel.stats() if service.flywheel else None,
             hints=service.hints.stats(),
+            llama_url=service.settings.llama_url,
         )
 
     @app.get("/v1/hotset/{domain}", response_model=HotSetResponse)
