@@ -29,6 +29,7 @@ from redis.retry import Retry
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moe_l2_cache.buffer import CountBuffer
+from moe_l2_cache.claim import UNINDEXED_MODEL, LlamaClaim, claim_llama, exit_on_lost_claim, new_owner
 from moe_l2_cache.engine_cache import EngineCacheFeeder
 from moe_l2_cache.flywheel import Flywheel
 from moe_l2_cache.gpu import GpuCollector
@@ -72,6 +73,7 @@ class Service:
     pool_problem: str | None = None
     flywheel: Flywheel | None = None
     engine_cache: EngineCacheFeeder | None = None
+    claim: LlamaClaim | None = None  # MOE_L2_CACHE_CLAIM_LLAMA: the replica claimed (settings.llama_url is it)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
 
@@ -95,27 +97,65 @@ def _admin_token(settings: CacheSettings) -> tuple[str, str]:
     return token, ""
 
 
-async def build_service(settings: CacheSettings) -> Service:
-    domains = settings.accepted_domains()
-    token, token_problem = _admin_token(settings)
-    admin_headers = {ADMIN_TOKEN_HEADER: token} if token else {}
-    llama = httpx.AsyncClient(base_url=settings.llama_url, timeout=httpx.Timeout(settings.llama_timeout_s, connect=2.0))
-    index, reason = await asyncio.to_thread(_load_index, settings)
-    if index is None:
-        log.warning("pass-through mode: %s", reason)
-        return Service(settings, llama, PassThroughHints(reason), domains, token, token_problem, reason=reason)
-
-    log.info(
-        "indexed %s: %d MoE layers x %d experts (top-%d), %d bytes per expert, model id %s",
-        index.path, len(index.layers), index.n_expert, index.n_expert_used, index.max_expert_bytes, index.model_id,
-    )  # fmt: skip
-    redis = Redis.from_url(
+def _redis(settings: CacheSettings) -> Redis:
+    return Redis.from_url(
         settings.redis_url,
         decode_responses=True,
         socket_timeout=settings.redis_timeout_s,
         socket_connect_timeout=settings.redis_timeout_s,
         retry=Retry(NoBackoff(), 0),  # the buffer is the retry: a call fails fast and counts wait there
     )
+
+
+async def _claim(settings: CacheSettings, index: ExpertIndex | None) -> LlamaClaim:
+    """MOE_L2_CACHE_CLAIM_LLAMA: one llama replica of MOE_L2_LLAMA_URL's host, ours alone (claim.py).
+    Waits while Redis is unreachable or every replica is held; ClaimError when the host never resolves."""
+    redis = _redis(settings)
+    try:
+        return await claim_llama(
+            redis,
+            RedisKeys(index.model_id if index is not None else UNINDEXED_MODEL),
+            settings.llama_url,
+            owner=new_owner(),
+            ttl_s=settings.claim_ttl_s,
+            resolve_timeout_s=settings.claim_resolve_timeout_s,
+        )
+    except BaseException:
+        await redis.aclose()
+        raise
+
+
+async def build_service(settings: CacheSettings) -> Service:
+    domains = settings.accepted_domains()
+    token, token_problem = _admin_token(settings)
+    admin_headers = {ADMIN_TOKEN_HEADER: token} if token else {}
+    index, reason = await asyncio.to_thread(_load_index, settings)
+    # The claim comes before anything uses llama_url: from here on, settings.llama_url is the replica.
+    claim, tasks = None, []
+    if settings.claim_llama:
+        claim = await _claim(settings, index)
+        settings = settings.model_copy(update={"llama_url": claim.url})
+        tasks.append(asyncio.create_task(claim.run_renewer(exit_on_lost_claim)))
+    llama = httpx.AsyncClient(base_url=settings.llama_url, timeout=httpx.Timeout(settings.llama_timeout_s, connect=2.0))
+    if index is None:
+        log.warning("pass-through mode: %s", reason)
+        return Service(
+            settings,
+            llama,
+            PassThroughHints(reason),
+            domains,
+            token,
+            token_problem,
+            reason=reason,
+            claim=claim,
+            tasks=tasks,
+        )
+
+    log.info(
+        "indexed %s: %d MoE layers x %d experts (top-%d), %d bytes per expert, model id %s",
+        index.path, len(index.layers), index.n_expert, index.n_expert_used, index.max_expert_bytes, index.model_id,
+    )  # fmt: skip
+    redis = _redis(settings)
     keys = RedisKeys(index.model_id)
     pool, pool_problem = None, None
     try:
@@ -163,6 +203,8 @@ async def build_service(settings: CacheSettings) -> Service:
             settings.engine_profile_interval_s,
             transitions_min_tokens=settings.engine_transitions_min_tokens,
         ),
+        claim=claim,
+        tasks=tasks,
     )
 
 
@@ -213,6 +255,13 @@ async def _stop(service: Service) -> None:
         await service.redis.aclose()
     if service.pool is not None:
         await asyncio.to_thread(service.pool.close)
+    if service.claim is not None:  # last: the replica is free once we no longer talk to it
+        try:
+            if await service.claim.release():
+                log.info("llama claim %s released", service.claim.key)
+        except RedisError as e:
+            log.warning("llama claim %s not released (%s); it expires by itself", service.claim.key, e)
+        await service.claim.redis.aclose()
 
 
 def create_app(settings: CacheSettings | None = None) -> FastAPI:
@@ -322,6 +371,7 @@ def _routes(app: FastAPI) -> None:
             pool=pool,
             flywheel=service.flywheel.stats() if service.flywheel else None,
             hints=service.hints.stats(),
+            llama_url=service.settings.llama_url,
         )
 
     @app.get("/v1/hotset/{domain}", response_model=HotSetResponse)

@@ -74,7 +74,7 @@ def _expected_type(
         return None
     if section in _FIXED and not rest:
         return _FIXED[section]
-    if section == "flushed" and rest:
+    if section in ("flushed", "llama-claim") and rest:
         return "string"
     if section in ("routing", "transitions"):
         # a routing hash is one layer's, a transitions hash the pair (layer, layer + 1)'s

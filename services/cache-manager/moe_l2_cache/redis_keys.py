@@ -9,6 +9,7 @@
     moe:{model}:meta                       hash  what the id stands for (arch, file, experts, layers)
     moe:{model}:flushed:{batch}            str   marks a batch of counts as written (expires after a day)
     moe:{model}:quarantine:{rest}          any   a key of the wrong type, moved aside (never read)
+    moe:{model}:llama-claim:{host}:{port}  str   the cache-manager serving that llama replica (expires; claim.py)
 
 Domain tags are `[A-Za-z0-9_.:-]+`; the layer is always the last component of a routing or
 transitions key, so a tag containing ':' still parses.
@@ -59,6 +60,10 @@ class RedisKeys:
 
     def flushed(self, batch_id: str) -> str:
         return f"{self.base}:flushed:{batch_id}"
+
+    def llama_claim(self, hostport: str) -> str:
+        """The claim on one llama replica (an address and port: `10.0.0.3:11436`, `[::1]:11436`)."""
+        return f"{self.base}:llama-claim:{hostport}"
 
     def quarantine(self, key: str) -> str:
         """Where a key of this model that holds the wrong type is moved aside."""

@@ -101,6 +101,22 @@ class CacheSettings(ServiceSettings):
     llama_timeout_s: float = Field(default=10.0, gt=0)
     redis_timeout_s: float = Field(default=2.0, gt=0)
 
+    # docs/cache-manager.md, "One cache-manager per llama replica"
+    claim_llama: bool = Field(
+        default=False,
+        description="resolve MOE_L2_LLAMA_URL's host to all its addresses and serve the first one no other "
+        "cache-manager has claimed in Redis (docker compose --scale llama=N --scale cache-manager=N)",
+    )
+    # 15 s: renewed every 5 s, so two renewals may be missed (a Redis blip, a stalled event loop) before
+    # the claim lapses, and a replica whose cache-manager died without a word waits at most ~20 s (TTL +
+    # one retry of a standby) for another one.
+    claim_ttl_s: float = Field(
+        default=15.0, ge=1, description="lifetime of the llama claim in Redis; renewed every third of it"
+    )
+    claim_resolve_timeout_s: float = Field(
+        default=60.0, ge=0, description="how long the llama host may fail to resolve before the service gives up"
+    )
+
     @field_validator("extra_domains")
     @classmethod
     def _extra_domains_are_valid(cls, value: str) -> str:

@@ -161,6 +161,11 @@ class StatsResponse(BaseModel):
     pool: PoolStats | None
     flywheel: FlywheelStats | None
     hints: HintStats
+    llama_url: str | None = Field(
+        default=None,
+        description="the llama-server this cache-manager serves: the replica it claimed (MOE_L2_CACHE_CLAIM_LLAMA), "
+        "else MOE_L2_LLAMA_URL",
+    )
 
 
 # -- POST /v1/pull (admin) --------------------------------------------------------------------------
