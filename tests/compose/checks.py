@@ -233,12 +233,21 @@ def check_predictor(doc: dict[str, Any]) -> None:
 
 
 def check_proxy(doc: dict[str, Any]) -> None:
+    """The proxy reaches every replica of llama, the predictor and the cache-manager through one
+    service name each (`--scale`), and pairs each llama with the cache-manager that claimed it."""
     proxy = doc["services"]["proxy"]
     assert as_argv(proxy.get("command")) == ["python", "-m", "moe_l2_proxy"]
     env = as_dict(proxy.get("environment"))
-    assert env.get("MOE_L2_LLAMA_URL") == "http://llama:11436"
+    assert env.get("MOE_L2_LLAMA_URLS") == "http://llama:11436"
     assert env.get("MOE_L2_PREDICTOR_URLS") == "http://predictor:11437"
-    assert env.get("MOE_L2_CACHE_URL") == "http://cache-manager:11438"
+    assert env.get("MOE_L2_CACHE_URLS") == "http://cache-manager:11438"
+    assert env.get("MOE_L2_PROXY_CACHE_PAIRING") == "discover"
+    assert not {"MOE_L2_LLAMA_URL", "MOE_L2_CACHE_URL"} & set(env), "one name each: the lists"
+    cache = as_dict(doc["services"]["cache-manager"].get("environment"))
+    assert cache.get("MOE_L2_CACHE_CLAIM_LLAMA") in ("1", "true"), "each cache-manager must claim its own llama"
+    for name in ("llama", "cache-manager"):
+        for key in ("container_name", "ports", "hostname"):
+            assert key not in doc["services"][name], f"{name} sets {key}: `--scale {name}=N` would break"
 
 
 def check_redis(doc: dict[str, Any]) -> None:

@@ -12,7 +12,7 @@ from tests.compose.shapes import as_argv, as_dict, mounts
 # The services compose scales (`docker compose up --scale NAME=N`): Prometheus discovers each replica
 # through Docker's DNS (type A on the service name), so every replica is its own target, and its
 # `instance` is the replica's address:port, as the gateway dials it.
-DNS_DISCOVERED = {"predictor", "llama"}
+DNS_DISCOVERED = {"predictor", "llama", "cache-manager"}
 
 # The label naming one llama replica in each source's series: the gateway's `replica` (host:port as
 # it dials the replica) and Prometheus' `instance` of that llama-server's scrape (the same host:port).

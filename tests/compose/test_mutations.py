@@ -115,6 +115,15 @@ COMPOSE_MUTATIONS: dict[str, tuple[_Check, _Check]] = {
         _edit("services", "proxy", "environment", "MOE_L2_PREDICTOR_URLS"),
         check_proxy,
     ),
+    "proxy pairs cache-managers by position": (
+        _edit("services", "proxy", "environment", "MOE_L2_PROXY_CACHE_PAIRING"),
+        check_proxy,
+    ),
+    "cache-managers that claim no llama": (
+        _edit("services", "cache-manager", "environment", "MOE_L2_CACHE_CLAIM_LLAMA"),
+        check_proxy,
+    ),
+    "llama container_name": (_edit("services", "llama", "container_name", value="llama"), check_proxy),
     "redis without AOF": (_edit("services", "redis", "command", value=["redis-server"]), check_redis),
     "redis on a bind mount": (_edit("services", "redis", "volumes", value=["./redis:/data"]), check_redis),
     "redis unpinned": (_edit("services", "redis", "image", value="redis:latest"), check_images),

@@ -38,6 +38,7 @@ IMAGES = ("proxy", "cache-manager", "predictor", "llama")
 # Every service `up` starts: all but grafana (see the module docstring).
 UP_SERVICES = ("admin-token", "redis", "prometheus", "llama", "cache-manager", "predictor", "proxy")
 PREDICTORS = 3
+LLAMAS = 2  # each with its own cache-manager (`--scale llama=2 --scale cache-manager=2`)
 TORCH_WHEELS_PORT = 11499
 TIMINGS_FILE = REPO / "build" / "container-test-timings.json"
 TIMINGS: dict[str, float] = {}
@@ -164,6 +165,8 @@ def stack(engine: Engine, torch_find_links: str, tmp_path_factory: pytest.TempPa
         MOE_L2_TEST_MEMLOCK=_memlock_limit(),
         # small: the demo model needs little, and the llama container must not reserve GiBs
         MOE_L2_LLAMA_CTX_SIZE="4096",
+        # two llama replicas: each cache-manager holds the hot set of what the proxy routes to it
+        MOE_L2_CACHE_HOT_SET_SCOPE="traffic",
     )
     env.pop("COMPOSE_FILE", None)
     env.pop("COMPOSE_PROJECT_NAME", None)
@@ -180,7 +183,10 @@ def stack(engine: Engine, torch_find_links: str, tmp_path_factory: pytest.TempPa
     stack.compose("down", "-v", "--remove-orphans", timeout=300, check=False)
     step = time.monotonic()
     try:
-        stack.compose("up", "--wait", "--no-build", "--scale", f"predictor={PREDICTORS}", *UP_SERVICES, timeout=1200)
+        scale = [f"predictor={PREDICTORS}", f"llama={LLAMAS}", f"cache-manager={LLAMAS}"]
+        stack.compose(
+            "up", "--wait", "--no-build", *(a for s in scale for a in ("--scale", s)), *UP_SERVICES, timeout=1200
+        )
     except EngineError as e:
         logs = stack.compose("logs", "--no-color", "--tail", "40", timeout=120, check=False)
         stack.compose("down", "-v", "--remove-orphans", timeout=300, check=False)

@@ -20,7 +20,7 @@ from moe_l2_ops.stats import parse_metrics
 from tests.compose.checks import EXTRAS
 from tests.test_lock import lock
 
-from .conftest import PREDICTORS, PROJECT, UP_SERVICES, Stack
+from .conftest import LLAMAS, PREDICTORS, PROJECT, UP_SERVICES, Stack
 
 MODEL = "moe-l2"  # compose.yaml's MOE_L2_LLAMA_MODEL_ALIAS default
 PROMPTS = (
@@ -165,6 +165,44 @@ def test_requests_spread_over_the_predictors_and_survive_one_stopped(stack: Stac
         statuses = [f.result().status_code for f in futures]
     assert statuses == [200] * len(statuses)
     stack.engine.docker("start", victim, timeout=60)
+
+
+def _address(stack: Stack, service: str, index: int) -> str:
+    code = "import socket;print(socket.gethostbyname(socket.gethostname()))"
+    return stack.python_in(service, code, index=index).strip()
+
+
+def _replicas(stack: Stack) -> dict[str, dict]:
+    return {r["replica"]: r for r in httpx.get(f"{stack.url}/moe/stats", timeout=30).json()["replicas"]}
+
+
+def test_each_llama_replica_has_its_own_cache_manager_and_gets_its_domains(stack: Stack) -> None:
+    # each cache-manager claimed a different llama container, by its address on the compose network
+    managers = range(1, LLAMAS + 1)
+    served = [json.loads(stack.python_in("cache-manager", _GET % "/v1/stats", index=i))["llama_url"] for i in managers]
+    llamas = {f"{_address(stack, 'llama', i)}:11436" for i in range(1, LLAMAS + 1)}
+    assert {url.removeprefix("http://") for url in served} == llamas, served
+
+    # one chat at a time (nothing spills): each domain goes to one replica, whose own cache-manager
+    # the proxy hints
+    before = _replicas(stack)
+    hints_before = [json.loads(stack.python_in("cache-manager", _GET % "/v1/stats", index=i)) for i in managers]
+    for i in range(3 * len(PROMPTS)):
+        assert _chat(stack, PROMPTS[i % len(PROMPTS)]).status_code == 200
+    after = _replicas(stack)
+    assert set(after) == llamas and all(r["healthy"] for r in after.values()), after
+    assert {r["cache_url"].removeprefix("http://") for r in after.values()} == {
+        f"{_address(stack, 'cache-manager', i)}:11438" for i in managers
+    }
+    new = {
+        key: {d for d, n in r["domains"].items() if n > before.get(key, {}).get("domains", {}).get(d, 0)}
+        for key, r in after.items()
+    }
+    assert all(new.values()), f"a replica got none of the chats: {new}"
+    assert not set.intersection(*new.values()), f"a domain went to both replicas: {new}"
+    hints_after = [json.loads(stack.python_in("cache-manager", _GET % "/v1/stats", index=i)) for i in managers]
+    for was, now in zip(hints_before, hints_after, strict=True):
+        assert now["hints"]["hints"] > was["hints"]["hints"], (was["hints"], now["hints"])
 
 
 def test_the_cache_manager_pins_the_file_llama_maps(stack: Stack) -> None:
