@@ -4,7 +4,6 @@ the client saw a byte), the dead replica's domains move to the other, and come b
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,6 +11,7 @@ import httpx
 
 from moe_l2_domains.known import known_domains
 from moe_l2_proxy.routing import AffinityRouting
+from tests.cache.test_e2e import wait_for
 from tests.cache.traffic import domain_prompt
 from tests.metrics import sample_sum
 from tests.proxy.support import GatewayProc
@@ -35,15 +35,6 @@ def ask(client: httpx.Client, planted: dict, domain: str, seed: int, stream: boo
 def served(client: httpx.Client, replica: str, domains: list[str]) -> float:
     text = gateway_metrics(client)
     return sum(sample_sum(text, "moe_l2_replica_requests_total", replica=replica, domain=d) for d in domains)
-
-
-def wait_for(check: Callable[[], bool], what: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"{what} did not happen within {timeout_s}s")
 
 
 def test_a_killed_replica_loses_no_request_and_gets_its_domains_back(

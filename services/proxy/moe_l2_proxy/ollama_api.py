@@ -118,16 +118,9 @@ async def translate(
         return gateway_error_response(request.url.path, exc, headers=extra)
     except ClientDisconnected:
         return Response(status_code=499)
-    if not stream or upstream.status_code != 200:
-        try:
-            if stream:
-                await upstream.aread()
-                await upstream.aclose()
-        finally:
-            lease.release()
-    if upstream.status_code != 200:
-        return upstream_error(request.url.path, upstream, extra)
-    if not stream:
+    if not await lease.held_by_stream(upstream, stream):
+        if upstream.status_code != 200:
+            return upstream_error(request.url.path, upstream, extra)
         try:
             content = blocking_to_ollama(kind, model, upstream.content, raw, t0)
         except ValidationError:

@@ -84,13 +84,7 @@ async def generate(request: Request, gw: Gateway, body: bytes, decision: Decisio
         return gateway_error_response(request.url.path, exc, headers=extra)
     except ClientDisconnected:
         return Response(status_code=499)
-    if not stream or upstream.status_code != 200:
-        try:
-            if stream:
-                await upstream.aread()
-                await upstream.aclose()
-        finally:
-            lease.release()
+    if not await lease.held_by_stream(upstream, stream):
         if (message := client_mistake(upstream.status_code, upstream.content)) is not None:
             return error_response(request.url.path, 400, message, code="invalid_request", headers=extra)
         count_blocking_tokens(gw, upstream)

@@ -73,6 +73,19 @@ class Lease:
         replica.in_flight += 1
         pool.metrics.labelled(pool.metrics.replica_in_flight, replica.key).inc()
 
+    async def held_by_stream(self, upstream: httpx.Response, stream: bool) -> bool:
+        """True when `upstream` is a stream to relay (whose close releases the lease); any other
+        answer is read whole here and the replica released at once."""
+        if stream and upstream.status_code == 200:
+            return True
+        try:
+            if stream:
+                await upstream.aread()
+                await upstream.aclose()
+        finally:
+            self.release()
+        return False
+
     def release(self) -> None:
         if not self.released:
             self.released = True
