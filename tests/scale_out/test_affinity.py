@@ -171,7 +171,7 @@ def policies_side_by_side(
 # default's 8 domains plant 6 experts each on 32 (each expert serves 1.5 domains), so half of them
 # already need most experts: a replay of its planted routing (tests/cache/test_traffic_scope.py)
 # puts the most affinity can gain at a 50% hot set at 15 points with no spill at all; measured
-# here +12 and +13 (15% of requests spill). With 64 experts the domains overlap less, as real
+# here +11 to +13 (16-19% of requests spill). With 64 experts the domains overlap less, as real
 # ones do (ESFT: a domain's own top-16 covers 45-65% of its selections, another's 25-33%).
 MODELS = {
     "demo": DemoModelSpec(),
