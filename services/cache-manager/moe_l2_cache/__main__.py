@@ -9,7 +9,22 @@ import uvicorn
 from pydantic import ValidationError
 
 from moe_l2_cache.app import create_app
+from moe_l2_cache.ram_tier import RamTierError, plan_ram
 from moe_l2_cache.settings import CacheSettings
+from moe_l2_gguf.index import GGUFIndexError, load_index
+
+
+def ram_budget_problem(settings: CacheSettings) -> str | None:
+    """MOE_L2_RAM_BUDGET too small for the model: refused before the service starts, in one line."""
+    if settings.ram_budget is None or settings.model_path is None:
+        return None
+    try:
+        plan_ram(load_index(settings.model_path), settings.ram_budget, settings.ram_headroom_bytes)
+    except RamTierError as e:
+        return str(e)
+    except GGUFIndexError:  # the service says why, and runs pass-through
+        return None
+    return None
 
 
 def main() -> None:
@@ -18,6 +33,8 @@ def main() -> None:
     except ValidationError as e:  # a configuration mistake: one message, not a traceback
         errors = "; ".join(f"MOE_L2_{'.'.join(map(str, err['loc'])).upper()}: {err['msg']}" for err in e.errors())
         sys.exit(f"moe_l2_cache: invalid settings: {errors}")
+    if problem := ram_budget_problem(settings):
+        sys.exit(f"moe_l2_cache: {problem}")
     level = settings.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # one line per pull and push would drown the log; errors are logged by the flywheel itself

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from moe_l2_cache.gpu import GpuCollector
 from moe_l2_cache.hints import HintController, PassThroughHints
 from moe_l2_cache.hotset import router_map_text
 from moe_l2_cache.metrics import ServiceCollector
+from moe_l2_cache.ram_tier import ModelReplaced, RamTier, RamTierError, plan_ram
 from moe_l2_cache.redis_keys import GLOBAL_DOMAIN, RedisKeys
 from moe_l2_cache.residency import ExpertPool, PoolError
 from moe_l2_cache.settings import CacheSettings
@@ -71,6 +73,7 @@ class Service:
     keys: RedisKeys | None = None
     pool: ExpertPool | None = None
     pool_problem: str | None = None
+    ram_tier: RamTier | None = None  # MOE_L2_RAM_BUDGET
     flywheel: Flywheel | None = None
     engine_cache: EngineCacheFeeder | None = None
     claim: LlamaClaim | None = None  # MOE_L2_CACHE_CLAIM_LLAMA: the replica claimed (settings.llama_url is it)
@@ -155,14 +158,12 @@ async def build_service(settings: CacheSettings) -> Service:
         "indexed %s: %d MoE layers x %d experts (top-%d), %d bytes per expert, model id %s",
         index.path, len(index.layers), index.n_expert, index.n_expert_used, index.max_expert_bytes, index.model_id,
     )  # fmt: skip
+    if settings.ram_budget is not None:
+        plan = plan_ram(index, settings.ram_budget, settings.ram_headroom_bytes)  # RamTierError: refused
+        settings = settings.model_copy(update={"pool_bytes": plan.pool_bytes})
     redis = _redis(settings)
     keys = RedisKeys(index.model_id)
-    pool, pool_problem = None, None
-    try:
-        pool = await asyncio.to_thread(ExpertPool, index, settings.pool_bytes, settings.policy, lock=settings.pool_lock)
-    except PoolError as e:
-        pool_problem = str(e)
-        log.warning("expert pool disabled: %s", e)
+    pool, pool_problem, tier = await _build_pool(settings, index)
     flywheel = Flywheel(
         index,
         keys,
@@ -195,6 +196,7 @@ async def build_service(settings: CacheSettings) -> Service:
         keys=keys,
         pool=pool,
         pool_problem=pool_problem,
+        ram_tier=tier,
         flywheel=flywheel,
         engine_cache=EngineCacheFeeder(
             flywheel,
@@ -206,6 +208,87 @@ async def build_service(settings: CacheSettings) -> Service:
         claim=claim,
         tasks=tasks,
     )
+
+
+async def _build_pool(
+    settings: CacheSettings, index: ExpertIndex
+) -> tuple[ExpertPool | None, str | None, RamTier | None]:
+    """The expert pool and, with MOE_L2_RAM_BUDGET, the RAM tier over it; a pool that cannot be made is a
+    problem to report (the service still runs), a budget too small is RamTierError."""
+    try:
+        pool = await asyncio.to_thread(ExpertPool, index, settings.pool_bytes, settings.policy, lock=settings.pool_lock)
+    except PoolError as e:
+        log.warning("expert pool disabled: %s", e)
+        return None, str(e), None
+    if settings.ram_budget is None:
+        return pool, None, None
+    plan = plan_ram(index, settings.ram_budget, settings.ram_headroom_bytes)
+    tier = await asyncio.to_thread(RamTier, index, pool, plan, lock=settings.pool_lock)
+    log.info(
+        "RAM tier: budget %d bytes = %d non-expert + %d experts held + %d headroom for misses",
+        plan.budget_bytes, plan.non_expert_bytes, plan.pool_bytes, plan.headroom_bytes,
+    )  # fmt: skip
+    return pool, None, tier
+
+
+async def run_ram_tier(service: Service) -> None:
+    """Sweep every MOE_L2_CACHE_RAM_SWEEP_S; a replaced model file rebuilds the pool. Never ends by itself."""
+    failing: str | None = None
+    took = 0.0
+    while True:
+        # at most a third of a core however large the model: a pass may take longer than the interval
+        await asyncio.sleep(max(service.settings.ram_sweep_s, 2 * took))
+        tier = service.ram_tier
+        if tier is None:
+            await asyncio.sleep(1.0)  # the pool is off (another model in the file); nothing to keep
+            continue
+        started = time.monotonic()
+        try:
+            await asyncio.to_thread(tier.sweep)
+            took = time.monotonic() - started
+            failing = None
+        except ModelReplaced as e:
+            log.warning("RAM tier: %s; rebuilding the expert pool on the new file", e)
+            await rebuild_pool(service)
+        except OSError as e:  # mincore or madvise refused: say it once, keep trying
+            if str(e) != failing:
+                failing = str(e)
+                log.warning("RAM tier: sweep failed: %s", e)
+
+
+async def rebuild_pool(service: Service) -> None:
+    """The model file was replaced: index it again and build a new pool and tier on it. The same model
+    (same id) keeps its tables; another model turns the pool off until the cache-manager restarts,
+    because its routing tables and llama's counts are keyed by the model id."""
+    old_pool, old_tier, old_index = service.pool, service.ram_tier, service.index
+    index, reason = await asyncio.to_thread(_load_index, service.settings)
+    if index is None:
+        service.pool_problem = f"the model file changed and cannot be indexed now ({reason}); retrying"
+        await asyncio.sleep(1.0)
+        return
+    if old_tier is not None:
+        await asyncio.to_thread(old_tier.close)
+    if old_pool is not None:
+        await asyncio.to_thread(old_pool.close)
+    service.pool, service.ram_tier = None, None
+    if old_index is not None and index.model_id != old_index.model_id:
+        service.pool_problem = (
+            f"{index.path} now holds another model (id {index.model_id}, was {old_index.model_id}); restart the "
+            "cache-manager to serve it"
+        )
+        log.error("RAM tier: %s", service.pool_problem)
+    else:
+        try:
+            pool, problem, tier = await _build_pool(service.settings, index)
+        except RamTierError as e:
+            pool, problem, tier = None, str(e), None
+        service.index, service.pool, service.pool_problem, service.ram_tier = index, pool, problem, tier
+        log.info("RAM tier: the expert pool is rebuilt on the new %s", index.path)
+    if service.flywheel is not None:
+        await service.flywheel.use_pool(service.pool)
+    if isinstance(service.hints, HintController):  # the active domain's hot set is pinned again
+        service.hints.pool = service.pool
+        await service.hints.restore()
 
 
 async def _start(service: Service) -> None:
@@ -240,6 +323,8 @@ async def _start(service: Service) -> None:
         service.tasks.append(asyncio.create_task(service.flywheel.run(service.settings.pull_interval_s)))
     if service.engine_cache is not None and service.settings.engine_profile_interval_s > 0:
         service.tasks.append(asyncio.create_task(service.engine_cache.run()))
+    if service.ram_tier is not None:
+        service.tasks.append(asyncio.create_task(run_ram_tier(service)))
 
 
 async def _stop(service: Service) -> None:
@@ -253,6 +338,8 @@ async def _stop(service: Service) -> None:
     await service.llama.aclose()
     if service.redis is not None:
         await service.redis.aclose()
+    if service.ram_tier is not None:
+        await asyncio.to_thread(service.ram_tier.close)
     if service.pool is not None:
         await asyncio.to_thread(service.pool.close)
     if service.claim is not None:  # last: the replica is free once we no longer talk to it
@@ -369,6 +456,7 @@ def _routes(app: FastAPI) -> None:
             model_id=service.index.model_id if service.index else None,
             model_path=str(service.settings.model_path) if service.settings.model_path else None,
             pool=pool,
+            ram_tier=await asyncio.to_thread(service.ram_tier.stats) if service.ram_tier is not None else None,
             flywheel=service.flywheel.stats() if service.flywheel else None,
             hints=service.hints.stats(),
             llama_url=service.settings.llama_url,

@@ -406,6 +406,11 @@ class Flywheel:
         await self.tokens()  # read once so that unusable counts show up in the stats
         await self._update_priors()
 
+    async def use_pool(self, pool: ExpertPool | None) -> None:
+        """Feed another pool (rebuilt on a replaced model file) from now on, priors first."""
+        self.pool = pool
+        await self._update_priors()
+
     async def _update_priors(self) -> None:
         if self.pool is not None and self._tables:
             await asyncio.to_thread(self.pool.set_priors, dict(self._tables))

@@ -32,6 +32,7 @@ class ServiceCollector(Collector):
             "passthrough", "1 when the service runs in pass-through mode (see /v1/stats)", float(s.index is None)
         )
         yield from self._pool()
+        yield from self._ram_tier()
         yield from self._flywheel()
         yield from self._hints()
         yield from self._engine_cache()
@@ -53,6 +54,21 @@ class ServiceCollector(Collector):
         yield _counter("pool_prefetch_bytes", "bytes prefetched (madvise WILLNEED)", p.prefetch_bytes_total)
         yield _counter("pool_evicted_bytes", "bytes evicted (munlock + DONTNEED)", p.evicted_bytes_total)
         yield _counter("pool_lock_failures", "mlock calls that failed", p.lock_failures)
+
+    def _ram_tier(self) -> Iterator[Metric]:
+        if self.service.ram_tier is None:
+            return
+        t = self.service.ram_tier.stats()
+        yield _gauge("ram_budget_bytes", "MOE_L2_RAM_BUDGET: the model file's resident bytes at most", t.budget_bytes)
+        resident = GaugeMetricFamily(
+            _P + "ram_resident_bytes", "the model file's pages in the page cache (mincore)", labels=["kind"]
+        )
+        resident.add_metric(["expert"], t.resident_expert_bytes)
+        resident.add_metric(["non_expert"], t.resident_non_expert_bytes)
+        yield resident
+        yield _counter("ram_paged_out_bytes", "expert bytes paged out of llama's mapping", t.paged_out_bytes_total)
+        yield _counter("ram_misses", "experts llama faulted in that the pool did not hold", t.misses_seen_total)
+        yield _counter("ram_over_budget_sweeps", "sweeps that found more than the budget", t.over_budget_sweeps)
 
     def _flywheel(self) -> Iterator[Metric]:
         if self.service.flywheel is None:

@@ -113,6 +113,7 @@ class ModelPages:
         self._maps: list[_Mapping] = []
         self._lock_refs: dict[tuple[int, int], int] = {}  # (file, page) -> locked ranges
         self._hold_refs: dict[tuple[int, int], int] = {}  # (file, page) -> held ranges
+        self._kept: dict[int, np.ndarray] = {}  # file -> pages drop() leaves alone (the RAM tier's locked ones)
         try:
             for path in paths:
                 self._maps.append(_Mapping.open(path))
@@ -172,7 +173,7 @@ class ModelPages:
                 merged[-1] = (file, merged[-1][1], max(merged[-1][2], last))
             else:
                 merged.append((file, first, last))
-        for file, first, last in merged:
+        for file, first, last in self._without_kept(merged):
             mapping = self._maps[file]
             start = first * PAGE
             length = min((last - first + 1) * PAGE, mapping.size - start)
@@ -181,6 +182,45 @@ class ModelPages:
                     mapping.mm.madvise(_MADV_PAGEOUT, start, length)
             mapping.mm.madvise(mmap.MADV_DONTNEED, start, length)
             os.posix_fadvise(mapping.fd, start, length, os.POSIX_FADV_DONTNEED)
+
+    def keep(self, runs: list[PageRun], keep: bool = True) -> None:
+        """Mark page runs that drop() must leave alone (or unmark them): a page shared with a locked range
+        outside the pool's reference counts (the RAM tier's non-expert tensors) must not be dropped, and
+        MADV_DONTNEED refuses locked pages anyway."""
+        for file, first, last in runs:
+            mask = self._kept.setdefault(file, np.zeros(self.file_pages(file), dtype=bool))
+            mask[first : last + 1] = keep
+
+    def _without_kept(self, runs: list[PageRun]) -> list[PageRun]:
+        out: list[PageRun] = []
+        for file, first, last in runs:
+            kept = self._kept.get(file)
+            if kept is None:
+                out.append((file, first, last))
+                continue
+            out += [(file, first + a, first + b) for a, b in page_runs(~kept[first : last + 1])]
+        return out
+
+    def file_pages(self, file: int) -> int:
+        return (self._maps[file].size + PAGE - 1) // PAGE
+
+    def resident_map(self, file: int) -> np.ndarray:
+        """One bool per page of the whole file: in the page cache now (mincore; faults nothing in)."""
+        mapping = self._maps[file]
+        return (self._libc.mincore(mapping.base, mapping.size) & 1).astype(bool)
+
+    def resident_count(self, run: PageRun) -> int:
+        """Pages of the run in the page cache now."""
+        file, first, last = run
+        mapping = self._maps[file]
+        return int((self._libc.mincore(mapping.base + first * PAGE, (last - first + 1) * PAGE) & 1).sum())
+
+    def read_ahead(self, runs: list[PageRun]) -> None:
+        """MADV_WILLNEED on these page runs: the kernel reads them in the background."""
+        for file, first, last in runs:
+            mapping = self._maps[file]
+            start = first * PAGE
+            mapping.mm.madvise(mmap.MADV_WILLNEED, start, min((last - first + 1) * PAGE, mapping.size - start))
 
     def resident(self, span: Span) -> int:
         """Bytes of the range in the page cache now (mincore)."""
@@ -216,3 +256,12 @@ def _release(refs: dict[tuple[int, int], int], span: Span) -> list[tuple[int, in
         runs.append((span.first + 1, span.last - 1))
     runs += [(p, p) for p in free]
     return runs
+
+
+def page_runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """The runs of True in a bool array, as (first, last) inclusive."""
+    if not mask.any():
+        return []
+    padded = np.concatenate(([False], mask, [False])).astype(np.int8)
+    edges = np.flatnonzero(np.diff(padded))
+    return [(int(a), int(b) - 1) for a, b in zip(edges[::2], edges[1::2], strict=True)]

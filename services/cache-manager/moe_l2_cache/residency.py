@@ -101,6 +101,20 @@ class ExpertPool:
     # -- public API --------------------------------------------------------------------------------
 
     @property
+    def pages(self) -> ModelPages:
+        """The model's mapped pages (the RAM tier locks, probes and drops through them; under the pool's lock)."""
+        return self._pages
+
+    @property
+    def mutex(self) -> threading.RLock:
+        """The pool's lock: hold it while using `pages`."""
+        return self._lock
+
+    def tracked(self) -> set[Expert]:
+        with self._lock:
+            return set(self._state.tracked)
+
+    @property
     def policy(self) -> ExpertCachePolicy:
         """The replacement policy (read it, do not drive it: the pool's lock guards it)."""
         return self._policy

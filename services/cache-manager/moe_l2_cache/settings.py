@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import Field, field_validator
+from pydantic import ByteSize, Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from moe_l2_contracts.admin import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV, configured_token
@@ -45,6 +45,22 @@ class CacheSettings(ServiceSettings):
     pool_bytes: int = Field(default=8 << 30, ge=0, description="host-memory budget of the expert pool")
     pool_lock: bool = Field(default=True, description="mlock the pinned hot set (else prefetch only)")
     policy: str | None = Field(default=None, description="expert-cache policy; the policy package's default")
+    # docs/ram-tier.md
+    ram_budget: ByteSize | None = stack_wide(
+        "RAM_BUDGET",
+        default=None,
+        description="the model file's resident memory at most (bytes, or 12GiB / 12G): non-expert tensors locked, "
+        "experts kept by the pool's policy, every other expert's pages paged out of llama; overrides "
+        "MOE_L2_CACHE_POOL_BYTES",
+    )
+    # 0.1 s: a sweep of a 10 GB model costs ~2 ms (one mincore over the file plus numpy), and llama faults
+    # in at most what the disk reads in that time before it is paged out again (the headroom).
+    ram_sweep_s: float = Field(default=0.1, gt=0, description="RAM tier: page out the misses this often")
+    ram_headroom_bytes: ByteSize | None = Field(
+        default=None,
+        description="RAM tier: expert bytes left for misses between sweeps; default one token's routed experts, "
+        "at most a quarter of the expert budget",
+    )
     hotset_bytes: int | None = Field(
         default=None, ge=0, description="byte budget of a domain's hot set; default: the pool budget"
     )

@@ -107,6 +107,28 @@ class PoolStats(BaseModel):
     lock_failures: int
 
 
+class RamTierStats(BaseModel):
+    """MOE_L2_RAM_BUDGET: the model file's residency held within a budget (docs/ram-tier.md)."""
+
+    budget_bytes: int = Field(description="MOE_L2_RAM_BUDGET: the model file's resident bytes at most")
+    non_expert_bytes: int = Field(description="tensors every token needs and the header: locked, never paged out")
+    expert_bytes: int = Field(description="all routed experts' slices")
+    expert_budget_bytes: int = Field(description="budget - non-expert bytes")
+    headroom_bytes: int = Field(description="of the expert budget, left for the misses llama faults in between sweeps")
+    pool_bytes: int = Field(description="of the expert budget, what the pool's policy holds")
+    resident_expert_bytes: int = Field(description="expert pages in the page cache now (mincore)")
+    resident_non_expert_bytes: int
+    max_resident_bytes: int = Field(description="the most the model file had resident at a sweep, before it paged out")
+    over_budget_sweeps: int = Field(description="sweeps that found more than the budget resident")
+    paged_out_bytes_total: int = Field(description="bytes paged out of llama's mapping (process_madvise MADV_PAGEOUT)")
+    misses_seen_total: int = Field(description="experts found resident that the pool did not hold (llama's misses)")
+    sweeps: int
+    mean_sweep_ms: float
+    llama_pids: list[int] = Field(description="the processes mapping the model file that the tier pages out of")
+    lock_mode: Literal["mlock", "prefetch-only"] = Field(description="how the non-expert tensors are kept")
+    problem: str | None = Field(default=None, description="a degraded mode, said once")
+
+
 class FlywheelStats(BaseModel):
     pulls: int
     pull_errors: int
@@ -159,6 +181,7 @@ class StatsResponse(BaseModel):
     model_id: str | None
     model_path: str | None
     pool: PoolStats | None
+    ram_tier: RamTierStats | None = Field(default=None, description="null unless MOE_L2_RAM_BUDGET is set")
     flywheel: FlywheelStats | None
     hints: HintStats
     llama_url: str | None = Field(

@@ -1,0 +1,385 @@
+"""The RAM tier: the model file's resident memory held within MOE_L2_RAM_BUDGET.
+
+llama-server maps the whole GGUF; on a machine smaller than the model the kernel's page cache is
+then the expert cache, and it evicts by page age, not by what the routing will need next. With a
+budget the cache-manager decides instead:
+
+* the non-expert tensors (attention, norms, embeddings, shared experts, the GGUF header) are
+  locked: every token needs them;
+* the experts the pool holds (its policy, the project's default, fed by the domain's hot set, the
+  routing llama reports and the misses seen here) are read ahead and kept, the hot set locked;
+* every sweep (MOE_L2_CACHE_RAM_SWEEP_S) finds, with one mincore over the file, the expert pages
+  resident but not held: experts llama just faulted in (misses). They are reported to the policy as
+  accesses; what it still does not hold is paged out of llama's own mapping (foreign_maps.py) and
+  dropped from the page cache.
+
+The budget covers the whole file's residency: non-expert bytes + the pool's experts + a headroom
+for the misses llama faults in between two sweeps (one token's routed experts by default, at most a
+quarter of the expert budget). Pages shared by two experts at a slice boundary are never paged out
+(at most one page per neighbouring pair of slices).
+
+The file is watched by identity: replaced (a new inode, size or mtime) -> ModelReplaced, and the
+service rebuilds the pool on the new file (app.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from moe_l2_cache.foreign_maps import ProcessPager, find_mappers
+from moe_l2_cache.pages import PAGE, PageRun, Span, page_runs
+from moe_l2_cache.residency import ExpertPool
+from moe_l2_contracts.schemas.cache import RamTierStats
+from moe_l2_gguf.index import ByteRange, ExpertIndex
+
+log = logging.getLogger(__name__)
+
+_NON_EXPERT = -1  # a page holding non-expert bytes: always kept
+_SHARED = -2  # a page two experts' slices share: never paged out
+_FULL_SWEEP_EVERY_S = 1.0  # a pass even without llama's faults: another process may have read the file
+
+
+class RamTierError(Exception):
+    """The budget cannot be met (smaller than what must stay resident); the message is for the user."""
+
+
+class ModelReplaced(Exception):
+    """The file at the model path is no longer the file the tier mapped."""
+
+
+def gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+@dataclass(frozen=True)
+class RamPlan:
+    budget_bytes: int
+    file_bytes: int
+    non_expert_bytes: int
+    expert_bytes: int  # every routed expert slice
+    headroom_bytes: int
+
+    @property
+    def expert_budget_bytes(self) -> int:
+        return self.budget_bytes - self.non_expert_bytes
+
+    @property
+    def pool_bytes(self) -> int:
+        """What the expert pool may hold: the expert budget less the misses' headroom."""
+        return self.expert_budget_bytes - self.headroom_bytes
+
+
+def plan_ram(index: ExpertIndex, budget_bytes: int, headroom_bytes: int | None = None) -> RamPlan:
+    """Split MOE_L2_RAM_BUDGET; RamTierError when it cannot hold the non-expert tensors and one expert per layer."""
+    file_bytes = sum(index.file_sizes)
+    expert_bytes = index.routed_bytes
+    non_expert = file_bytes - expert_bytes
+    one_per_layer = sum(index.expert_bytes(layer) for layer in index.layers)
+    minimum = non_expert + one_per_layer
+    if budget_bytes < minimum:
+        raise RamTierError(
+            f"MOE_L2_RAM_BUDGET is {gib(budget_bytes)} ({budget_bytes} bytes), but the model's non-expert tensors "
+            f"take {gib(non_expert)} ({non_expert} bytes) and always stay in memory, with at least one expert per "
+            f"MoE layer ({gib(one_per_layer)}): give at least {gib(minimum)} ({minimum} bytes); the whole model "
+            f"{index.path.name} is {gib(file_bytes)}"
+        )
+    expert_budget = budget_bytes - non_expert
+    if headroom_bytes is None:
+        headroom_bytes = min(index.n_expert_used * one_per_layer, expert_budget // 4)
+    headroom_bytes = max(0, min(headroom_bytes, expert_budget - one_per_layer))
+    return RamPlan(budget_bytes, file_bytes, non_expert, expert_bytes, headroom_bytes)
+
+
+def _identity(path: Path) -> tuple[int, int, int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+@dataclass
+class _Counters:
+    sweeps: int = 0
+    paged_out_bytes: int = 0
+    misses_seen: int = 0
+    sweep_seconds: float = 0.0
+    max_resident_bytes: int = 0
+    over_budget_sweeps: int = 0
+
+
+@dataclass
+class _Layout:
+    """Per file, the owner of every page: a global expert id, _NON_EXPERT or _SHARED."""
+
+    owners: list[np.ndarray]
+    non_expert_runs: list[PageRun]
+    experts: list[tuple[int, int]] = field(default_factory=list)  # global id -> (layer, expert)
+
+
+def _layout(index: ExpertIndex, pool: ExpertPool) -> _Layout:
+    pages = pool.pages
+    owners = [np.full(pages.file_pages(f), _NON_EXPERT, dtype=np.int32) for f in range(len(index.files))]
+    marked = [np.zeros(len(o), dtype=bool) for o in owners]  # pages with some expert byte
+    non_expert = [np.ones(len(o), dtype=bool) for o in owners]  # pages with some non-expert byte
+    expert_bytes = [np.zeros(len(o), dtype=np.int64) for o in owners]
+    experts: list[tuple[int, int]] = []
+    for layer in index.moe_layers:
+        for e in range(index.n_expert):
+            gid = len(experts)
+            experts.append((layer, e))
+            for r in index.expert_ranges(layer, e):
+                span = pages.span(r)
+                f, first, last = span.file, span.first, span.last
+                shared = marked[f][first : last + 1] & (owners[f][first : last + 1] != gid)
+                owners[f][first : last + 1] = np.where(shared, _SHARED, gid)
+                marked[f][first : last + 1] = True
+                _add_bytes(expert_bytes[f], r)
+    for f, owner in enumerate(owners):
+        # a page is expert-only when expert slices cover all of its bytes
+        size = pages.file_pages(f)
+        full = np.full(size, PAGE, dtype=np.int64)
+        full[-1] = index.file_sizes[f] - (size - 1) * PAGE
+        non_expert[f] = expert_bytes[f] < full
+        owner[non_expert[f]] = _NON_EXPERT
+    runs = [(f, int(a), int(b)) for f, mask in enumerate(non_expert) for a, b in page_runs(mask)]
+    return _Layout(owners, runs, experts)
+
+
+def _add_bytes(acc: np.ndarray, r: ByteRange) -> None:
+    first, last = r.offset // PAGE, (r.offset + r.length - 1) // PAGE
+    if first == last:
+        acc[first] += r.length
+        return
+    acc[first] += PAGE - r.offset % PAGE
+    acc[first + 1 : last] += PAGE
+    acc[last] += r.offset + r.length - last * PAGE
+
+
+class RamTier:
+    """Keeps the model's resident pages within the plan's budget. sweep() runs in a worker thread."""
+
+    def __init__(self, index: ExpertIndex, pool: ExpertPool, plan: RamPlan, *, lock: bool = True) -> None:
+        self.index = index
+        self.pool = pool
+        self.plan = plan
+        self._identity = [_identity(p) for p in index.files]
+        self._layout = _layout(index, pool)
+        self._ids = {x: i for i, x in enumerate(self._layout.experts)}
+        self._counters = _Counters()
+        self._pagers: dict[int, ProcessPager] = {}
+        self._refused: set[int] = set()  # processes the kernel would not let us page out
+        self._locked: list[Span] = []
+        self._was_missing = np.zeros(len(self._layout.experts), dtype=bool)
+        self._next_scan = 0.0
+        self.rescan_s = 2.0
+        self._faults = -1
+        self._last_full = 0.0
+        self.problem: str | None = None
+        self.lock_mode = "mlock" if lock else "prefetch-only"
+        self._keep_non_expert(lock)
+
+    # -- setup ---------------------------------------------------------------------------------------
+
+    def _keep_non_expert(self, lock: bool) -> None:
+        pages = self.pool.pages
+        spans = [Span(f, a * PAGE, (b - a + 1) * PAGE) for f, a, b in self._layout.non_expert_runs]
+        with self.pool.mutex:
+            pages.keep(self._layout.non_expert_runs)
+            pages.read_ahead(self._layout.non_expert_runs)
+            if not lock:
+                return
+            try:
+                pages.lock(spans)
+                self._locked = spans
+            except OSError as e:
+                self.lock_mode = "prefetch-only"
+                self._say(
+                    f"cannot lock the non-expert tensors ({gib(self.plan.non_expert_bytes)}: {e.strerror}); they are "
+                    "read ahead and never paged out, but the kernel may still evict them under pressure (raise "
+                    "RLIMIT_MEMLOCK: ulimit -l unlimited, compose's memlock ulimit, or CAP_IPC_LOCK)"
+                )
+
+    def _say(self, problem: str) -> None:
+        """A degraded mode is said once (log and stats), not once per sweep."""
+        if problem != self.problem:
+            self.problem = problem
+            log.warning("RAM tier: %s", problem)
+
+    # -- the sweep -----------------------------------------------------------------------------------
+
+    def check_file(self) -> None:
+        """ModelReplaced when a model file is no longer the one mapped (a missing file is not: it is being replaced)."""
+        for path, known in zip(self.index.files, self._identity, strict=True):
+            try:
+                now = _identity(path)
+            except FileNotFoundError:
+                continue
+            if now != known:
+                raise ModelReplaced(f"{path} changed (inode, size or modification time)")
+
+    def sweep(self) -> int:
+        """One pass: report misses to the policy, page out what it does not hold. Returns bytes paged out.
+
+        Skipped (a stat read) while llama took no major fault since the last pass: no fault, no miss to
+        page out. A pass over a 10 GB model costs tens of milliseconds of CPU, mostly mincore."""
+        started = time.monotonic()
+        self.check_file()
+        self._refresh_pagers(started)
+        faults = self._llama_faults()
+        if faults == self._faults and started - self._last_full < _FULL_SWEEP_EVERY_S:
+            return 0
+        self._faults, self._last_full = faults, started
+        pages = self.pool.pages
+        with self.pool.mutex:
+            resident = [pages.resident_map(f) for f in range(len(self._layout.owners))]
+            misses = self._misses(resident)
+            if misses:
+                self._counters.misses_seen += sum(len(v) for v in misses.values())
+                self.pool.prefetch(misses)  # accesses: the policy may admit them (and evict others)
+            held = self._held_flags()
+            out_runs, in_runs = self._runs_to_move(resident, held)
+            self._page_out(out_runs)
+            pages.drop(out_runs)
+            paged = sum(pages.resident_count(run) for run in out_runs)
+            paged = sum((b - a + 1) * PAGE for _, a, b in out_runs) - paged * PAGE
+            pages.read_ahead(in_runs)  # held experts the kernel evicted come back
+        # the peak: what was resident before this sweep paged anything out
+        self._count(sum(int(r.sum()) for r in resident) * PAGE, paged, time.monotonic() - started)
+        return paged
+
+    def _misses(self, resident: list[np.ndarray]) -> dict[int, list[int]]:
+        tracked = np.zeros(len(self._layout.experts), dtype=bool)
+        for x in self.pool.tracked():
+            tracked[self._ids[x]] = True
+        seen = np.zeros(len(self._layout.experts), dtype=bool)
+        for owner, res in zip(self._layout.owners, resident, strict=True):
+            ids = owner[res & (owner >= 0)]
+            seen[ids] = True
+        # reported once per arrival: an expert nobody could page out would otherwise count as a miss every sweep
+        missing = seen & ~tracked
+        fresh = missing & ~self._was_missing
+        self._was_missing = missing
+        out: dict[int, list[int]] = {}
+        for gid in np.flatnonzero(fresh):
+            layer, e = self._layout.experts[gid]
+            out.setdefault(layer, []).append(e)
+        return out
+
+    def _held_flags(self) -> np.ndarray:
+        held = np.zeros(len(self._layout.experts), dtype=bool)
+        for x in self.pool.tracked():
+            held[self._ids[x]] = True
+        return held
+
+    def _runs_to_move(self, resident: list[np.ndarray], held: np.ndarray) -> tuple[list[PageRun], list[PageRun]]:
+        out: list[PageRun] = []
+        into: list[PageRun] = []
+        for f, (owner, res) in enumerate(zip(self._layout.owners, resident, strict=True)):
+            expert = owner >= 0
+            is_held = np.zeros(len(owner), dtype=bool)
+            is_held[expert] = held[owner[expert]]
+            out += [(f, a, b) for a, b in page_runs(res & expert & ~is_held)]
+            into += [(f, a, b) for a, b in page_runs(~res & is_held)]
+        return out, into
+
+    def _page_out(self, runs: list[PageRun]) -> int:
+        ranges = [(f, a * PAGE, (b - a + 1) * PAGE) for f, a, b in runs]
+        done = 0
+        for pid, pager in list(self._pagers.items()) if ranges else []:
+            try:
+                done += pager.page_out(ranges)
+            except OSError as e:
+                self._say(
+                    f"cannot page out llama's mapping (pid {pid}): {e.strerror}; the experts llama touched stay "
+                    "resident until the kernel reclaims them (needs root or CAP_SYS_NICE + ptrace access, and in a "
+                    "container llama's PID namespace: pid: service:llama)"
+                )
+                pager.close()
+                del self._pagers[pid]
+                self._refused.add(pid)
+        return done
+
+    def _llama_faults(self) -> int:
+        """Major page faults of the processes mapping the model (/proc/PID/stat field 12), summed."""
+        total = 0
+        for pid in self._pagers:
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                continue
+            total += int(stat.rsplit(")", 1)[1].split()[9])  # fields after the command name start at 3
+        return total
+
+    def _refresh_pagers(self, now: float) -> None:
+        """Find the processes mapping the model file every rescan_s, and drop the ones that exited."""
+        for pid, pager in list(self._pagers.items()):
+            if not pager.alive():
+                pager.close()
+                del self._pagers[pid]
+        if now < self._next_scan:
+            return
+        self._next_scan = now + self.rescan_s
+        found = find_mappers(list(self.index.files))
+        for pid, maps in found.items():
+            if pid in self._refused:
+                continue
+            if pid in self._pagers:
+                self._pagers[pid].mappings = maps
+                continue
+            try:
+                self._pagers[pid] = ProcessPager(pid, maps)
+            except OSError as e:
+                self._say(f"cannot reach llama's process {pid} ({e.strerror}); its mapped pages stay resident")
+
+    def _count(self, resident_bytes: int, paged: int, seconds: float) -> None:
+        c = self._counters
+        c.sweeps += 1
+        c.paged_out_bytes += paged
+        c.sweep_seconds += seconds
+        c.max_resident_bytes = max(c.max_resident_bytes, resident_bytes)
+        if resident_bytes > self.plan.budget_bytes:
+            c.over_budget_sweeps += 1
+
+    # -- reporting -----------------------------------------------------------------------------------
+
+    def stats(self) -> RamTierStats:
+        pages = self.pool.pages
+        with self.pool.mutex:
+            resident = [pages.resident_map(f) for f in range(len(self._layout.owners))]
+        pairs = list(zip(resident, self._layout.owners, strict=True))
+        non_expert = sum(int((r & (o == _NON_EXPERT)).sum()) for r, o in pairs)
+        expert = sum(int((r & (o != _NON_EXPERT)).sum()) for r, o in pairs)
+        c = self._counters
+        return RamTierStats(
+            budget_bytes=self.plan.budget_bytes,
+            non_expert_bytes=self.plan.non_expert_bytes,
+            expert_bytes=self.plan.expert_bytes,
+            expert_budget_bytes=self.plan.expert_budget_bytes,
+            headroom_bytes=self.plan.headroom_bytes,
+            pool_bytes=self.plan.pool_bytes,
+            resident_expert_bytes=expert * PAGE,
+            resident_non_expert_bytes=non_expert * PAGE,
+            max_resident_bytes=c.max_resident_bytes,
+            over_budget_sweeps=c.over_budget_sweeps,
+            paged_out_bytes_total=c.paged_out_bytes,
+            misses_seen_total=c.misses_seen,
+            sweeps=c.sweeps,
+            mean_sweep_ms=1000 * c.sweep_seconds / c.sweeps if c.sweeps else 0.0,
+            llama_pids=sorted(self._pagers),
+            lock_mode=self.lock_mode,
+            problem=self.problem,
+        )
+
+    def close(self) -> None:
+        with self.pool.mutex:
+            for span in self._locked:
+                self.pool.pages.unlock(span)
+            self._locked = []
+            self.pool.pages.keep(self._layout.non_expert_runs, keep=False)
+        for pager in self._pagers.values():
+            pager.close()
+        self._pagers.clear()
