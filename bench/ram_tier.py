@@ -270,8 +270,16 @@ class Sampler(threading.Thread):
         self.samples += 1
 
     def finish(self) -> None:
+        """Stop, with one last sample while llama still runs (a short run may end between two)."""
         self.stop_event.set()
+        if self.ident is None:  # never started: the config failed before its requests
+            return
         self.join(timeout=5)
+        if self.error is None:
+            try:
+                self.sample()
+            except (OSError, ValueError) as exc:
+                self.error = str(exc)
 
 
 # -- the balloon ----------------------------------------------------------------------------------
@@ -624,8 +632,11 @@ def median(xs: list[float]) -> float | None:
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or b == 0:
+    """a / b; 0 / 0 is 1.0 (neither faulted nor read: no difference), x / 0 is undefined (None)."""
+    if a is None or b is None:
         return None
+    if b == 0:
+        return 1.0 if a == 0 else None
     return a / b
 
 
@@ -708,9 +719,10 @@ def table(pct: str, b: dict) -> str:
             f"| {x['max_model_resident_bytes'] / 2**30:.3f} | {x['max_rss_file_bytes'] / 2**30:.3f} "
             f"| {'pass' if x['resident_within_budget'] else 'FAIL'} |"
         )
+    x = {k: "-" if v is None else f"{v:.2f}x" for k, v in r.items()}
     lines.append(
-        f"| moe-l2 / stock | {_f(r['decode_tokens_per_s'], '.2f')}x | {_f(r['majflt_per_token'], '.2f')}x "
-        f"| {_f(r['read_bytes_per_token'], '.2f')}x | {_f(r['block_read_bytes_per_token'], '.2f')}x | | | |"
+        f"| moe-l2 / stock | {x['decode_tokens_per_s']} | {x['majflt_per_token']} | {x['read_bytes_per_token']} "
+        f"| {x['block_read_bytes_per_token']} | | | |"
     )
     lines.append(
         f"\ngreedy output identical (stock vs moe-l2, every prompt): {'yes' if b['greedy_identical'] else 'NO'}"
