@@ -11,6 +11,8 @@ Safety, because an OOM kill of llama-server (or of the developer's shell) would 
     (the room asked for) must be at least the margin: otherwise it refuses (exit 3, one line);
   * every --poll-s (0.1 s) it reads MemAvailable; below the margin it frees chunks until back above it
     (each release is one JSON line on stdout), so anything that grows later wins over the balloon;
+    with --leave-mib, memory that other processes give back later (MemAvailable a chunk above the room
+    asked for) is taken up again, until the first release;
   * its oom_score_adj is 1000: if the OOM killer comes anyway, the balloon is its first choice;
   * it exits by itself when its parent dies (PR_SET_PDEATHSIG and a getppid() poll) and after --max-s.
 
@@ -163,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
 
     balloon = Balloon(int(args.chunk_mib * MIB))
     start = time.monotonic()
-    freed_total, releases = 0, 0
+    freed_total, releases, regrown = 0, 0, 0
     # inflate a chunk at a time, checking the margin between chunks: the room may shrink meanwhile
     while balloon.held < target and not stop:
         if mem_available() - balloon.chunk_bytes < margin:
@@ -188,7 +190,12 @@ def main(argv: list[str] | None = None) -> int:
             why = "max-s"
             break
         avail = mem_available()
-        if avail < margin and balloon.chunks:
+        if leave is not None and avail > leave + balloon.chunk_bytes and not releases:
+            # a shared machine: memory others gave back would be room the budget never meant; take it
+            # (not after a release: then something here needs it, and the margin comes first)
+            balloon.grow(balloon.chunk_bytes)
+            regrown += balloon.chunk_bytes
+        elif avail < margin and balloon.chunks:
             freed = 0
             while balloon.chunks and mem_available() < margin:
                 freed += balloon.shrink_one()
@@ -196,7 +203,14 @@ def main(argv: list[str] | None = None) -> int:
             releases += 1
             emit("freed", freed_bytes=freed, held_bytes=balloon.held, mem_available_was=avail, margin_bytes=margin)
         time.sleep(args.poll_s)
-    emit("exit", why=why, held_bytes=balloon.held, freed_bytes_total=freed_total, releases=releases)
+    emit(
+        "exit",
+        why=why,
+        held_bytes=balloon.held,
+        freed_bytes_total=freed_total,
+        releases=releases,
+        regrown_bytes=regrown,
+    )
     return 0
 
 

@@ -50,6 +50,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from itertools import zip_longest
 from pathlib import Path
 from types import FrameType
 
@@ -335,11 +336,14 @@ class BalloonProc:
         self.reader.join(timeout=5)
         freed = sum(e.get("freed_bytes", 0) for e in self.events if e["event"] == "freed")
         ready = next((e for e in self.events if e["event"] == "ready"), {})
+        end = next((e for e in self.events if e["event"] == "exit"), {})
         return {
             "held_bytes": ready.get("held_bytes"),
             "mem_available_after_inflating": ready.get("mem_available"),
             "freed_bytes": freed,
             "releases": sum(1 for e in self.events if e["event"] == "freed"),
+            "regrown_bytes": end.get("regrown_bytes"),
+            "held_bytes_at_end": end.get("held_bytes"),
         }
 
 
@@ -823,13 +827,29 @@ def resolve_trace(args: argparse.Namespace, binary: Path, mb: ModelBytes, tmp: P
     if not src.is_file():
         return None, f"the model's own router: no ESFT routing data at {src}"
     out = tmp / "esft.trace"
-    cmd = [sys.executable, "-m", "moe_l2_ops.cli", "make-route-trace", "--from", str(src), "--out", str(out)]
-    cmd += ["--layers", str(mb.n_moe_layers), "--experts", str(mb.n_expert)]
-    result = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if result.returncode != 0 or not out.is_file():
-        why = (result.stderr.strip().splitlines() or ["no output"])[-1]
-        raise BenchError(f"cannot make the ESFT route trace ({why}); pass --trace FILE or --trace none")
-    return out, f"ESFT route trace of DeepSeek-V2-Lite ({TRACE_ENV}); request i replays sequence i"
+    try:
+        args.seq_tags = write_interleaved_trace(src, out, mb.n_moe_layers, mb.n_expert)
+    except (OSError, ValueError) as exc:
+        raise BenchError(f"cannot make the ESFT route trace ({exc}); pass --trace FILE or --trace none") from exc
+    return out, (
+        f"ESFT route trace of DeepSeek-V2-Lite ({TRACE_ENV}), sequences reordered so the tasks take turns; "
+        "request i replays sequence i"
+    )
+
+
+def write_interleaved_trace(src: Path, out: Path, layers: int, n_expert: int) -> list[str]:
+    """The ESFT trace with its sequences reordered so that the four tasks take turns (the npz holds
+    them task by task: the first requests would all be `intent`); returns each sequence's task."""
+    from moe_l2_llama.route_trace import RouteTrace, esft_sequence_tasks, from_esft_npz, write_route_trace
+
+    trace = from_esft_npz(src, layers=layers, n_expert=n_expert)
+    tags = esft_sequence_tasks(src)
+    by_task = [[s for s, t in enumerate(tags) if t == task] for task in ESFT_TASKS]
+    order = [s for group in zip_longest(*by_task) for s in group if s is not None]
+    seqs = [trace.sequence(s) for s in order]
+    offsets = np.concatenate([[0], np.cumsum([len(x) for x in seqs])]).astype(np.int32)
+    write_route_trace(RouteTrace(ids=np.concatenate(seqs), offsets=offsets, n_expert=n_expert), out)
+    return [tags[s] for s in order]
 
 
 def held_out_seed(trace_file: Path, n_requests: int, seq_tags: list[str], moe_layers: list[int]) -> tuple[dict, str]:
@@ -920,13 +940,10 @@ def main(argv: list[str] | None = None, progress: Callable[[str], None] | None =
         args.model_bytes = mb
         args.block_stat = block_stat_path(model)
         with tempfile.TemporaryDirectory(prefix="ram-tier-") as tmp_name:
-            args.trace_file, trace_note = resolve_trace(args, binary, mb, Path(tmp_name))
             args.seq_tags = None
+            args.trace_file, trace_note = resolve_trace(args, binary, mb, Path(tmp_name))
             args.seed_bodies, seed_note = {}, "none"
-            if args.trace_file is not None and args.trace == "auto":
-                from moe_l2_llama.route_trace import esft_sequence_tasks
-
-                args.seq_tags = esft_sequence_tasks(esft_npz())
+            if args.seq_tags is not None:  # the ESFT trace: each sequence's task is its domain
                 if args.seed_tables == "auto":
                     moe_layers = sorted(load_index(model).layers)
                     args.seed_bodies, seed_note = held_out_seed(
