@@ -211,7 +211,7 @@ async def build_service(settings: CacheSettings) -> Service:
 
 
 async def _build_pool(
-    settings: CacheSettings, index: ExpertIndex
+    settings: CacheSettings, index: ExpertIndex, generation: int = 0
 ) -> tuple[ExpertPool | None, str | None, RamTier | None]:
     """The expert pool and, with MOE_L2_RAM_BUDGET, the RAM tier over it; a pool that cannot be made is a
     problem to report (the service still runs), a budget too small is RamTierError."""
@@ -223,7 +223,7 @@ async def _build_pool(
     if settings.ram_budget is None:
         return pool, None, None
     plan = plan_ram(index, settings.ram_budget, settings.ram_headroom_bytes)
-    tier = await asyncio.to_thread(RamTier, index, pool, plan, lock=settings.pool_lock)
+    tier = await asyncio.to_thread(RamTier, index, pool, plan, lock=settings.pool_lock, generation=generation)
     log.info(
         "RAM tier: budget %d bytes = %d non-expert + %d experts held + %d headroom for misses",
         plan.budget_bytes, plan.non_expert_bytes, plan.pool_bytes, plan.headroom_bytes,
@@ -279,7 +279,8 @@ async def rebuild_pool(service: Service) -> None:
         log.error("RAM tier: %s", service.pool_problem)
     else:
         try:
-            pool, problem, tier = await _build_pool(service.settings, index)
+            generation = old_tier.generation + 1 if old_tier is not None else 1
+            pool, problem, tier = await _build_pool(service.settings, index, generation)
         except RamTierError as e:
             pool, problem, tier = None, str(e), None
         service.index, service.pool, service.pool_problem, service.ram_tier = index, pool, problem, tier

@@ -14,9 +14,9 @@ budget the cache-manager decides instead:
   dropped from the page cache.
 
 The budget covers the whole file's residency: non-expert bytes + the pool's experts + a headroom
-for the misses llama faults in between two sweeps (one token's routed experts by default, at most a
-quarter of the expert budget). Pages shared by two experts at a slice boundary are never paged out
-(at most one page per neighbouring pair of slices).
+for the misses llama faults in before they are paged out (one token's routed experts by default, at
+most 256 MiB and a quarter of the expert budget). Pages shared by two experts at a slice boundary
+are never paged out (at most one page per neighbouring pair of slices).
 
 The file is watched by identity: replaced (a new inode, size or mtime) -> ModelReplaced, and the
 service rebuilds the pool on the new file (app.py).
@@ -42,6 +42,10 @@ log = logging.getLogger(__name__)
 
 _NON_EXPERT = -1  # a page holding non-expert bytes: always kept
 _SHARED = -2  # a page two experts' slices share: never paged out
+# Misses llama faults in stay until the second pass after them (the grace in _runs_to_move): two
+# intervals, 0.2 s. Faults read ~70 MB/s here (ds-v2-lite, 2 cores, virtio disk) and an NVMe's at
+# most a few GB/s, so 256 MiB covers them; one token's routed experts, when smaller, bound them too.
+_DEFAULT_HEADROOM_CAP = 256 << 20
 _FULL_SWEEP_EVERY_S = 1.0  # a pass even without llama's faults: another process may have read the file
 
 
@@ -91,7 +95,7 @@ def plan_ram(index: ExpertIndex, budget_bytes: int, headroom_bytes: int | None =
         )
     expert_budget = budget_bytes - non_expert
     if headroom_bytes is None:
-        headroom_bytes = min(index.n_expert_used * one_per_layer, expert_budget // 4)
+        headroom_bytes = min(index.n_expert_used * one_per_layer, _DEFAULT_HEADROOM_CAP, expert_budget // 4)
     headroom_bytes = max(0, min(headroom_bytes, expert_budget - one_per_layer))
     return RamPlan(budget_bytes, file_bytes, non_expert, expert_bytes, headroom_bytes)
 
@@ -162,8 +166,11 @@ def _add_bytes(acc: np.ndarray, r: ByteRange) -> None:
 class RamTier:
     """Keeps the model's resident pages within the plan's budget. sweep() runs in a worker thread."""
 
-    def __init__(self, index: ExpertIndex, pool: ExpertPool, plan: RamPlan, *, lock: bool = True) -> None:
+    def __init__(
+        self, index: ExpertIndex, pool: ExpertPool, plan: RamPlan, *, lock: bool = True, generation: int = 0
+    ) -> None:
         self.index = index
+        self.generation = generation  # how many times the model file was replaced and the tier rebuilt
         self.pool = pool
         self.plan = plan
         self._identity = [_identity(p) for p in index.files]
@@ -178,6 +185,7 @@ class RamTier:
         self.rescan_s = 2.0
         self._faults = -1
         self._last_full = 0.0
+        self._grace_pending = False
         self.problem: str | None = None
         self.lock_mode = "mlock" if lock else "prefetch-only"
         self._keep_non_expert(lock)
@@ -230,60 +238,72 @@ class RamTier:
         self.check_file()
         self._refresh_pagers(started)
         faults = self._llama_faults()
-        if faults == self._faults and started - self._last_full < _FULL_SWEEP_EVERY_S:
+        idle = faults == self._faults and not self._grace_pending
+        if idle and started - self._last_full < _FULL_SWEEP_EVERY_S:
             return 0
         self._faults, self._last_full = faults, started
         pages = self.pool.pages
         with self.pool.mutex:
             resident = [pages.resident_map(f) for f in range(len(self._layout.owners))]
-            misses = self._misses(resident)
-            if misses:
-                self._counters.misses_seen += sum(len(v) for v in misses.values())
-                self.pool.prefetch(misses)  # accesses: the policy may admit them (and evict others)
-            held = self._held_flags()
-            out_runs, in_runs = self._runs_to_move(resident, held)
+            fresh = self._fresh_misses(resident)
+            self._grace_pending = bool(fresh.any())  # the next pass decides them, faults or not
+            if fresh.any():
+                self._counters.misses_seen += int(fresh.sum())
+                self.pool.prefetch(self._by_layer(fresh))  # accesses: the policy may admit them (and evict others)
+            held = self._flags(self.pool.tracked())
+            out_runs, in_runs = self._runs_to_move(resident, held, fresh)
             self._page_out(out_runs)
-            pages.drop(out_runs)
-            paged = sum(pages.resident_count(run) for run in out_runs)
-            paged = sum((b - a + 1) * PAGE for _, a, b in out_runs) - paged * PAGE
-            pages.read_ahead(in_runs)  # held experts the kernel evicted come back
+            pages.forget(out_runs)
+            paged = sum((b - a + 1) * PAGE for _, a, b in out_runs)
+            pages.read_ahead(in_runs)
         # the peak: what was resident before this sweep paged anything out
         self._count(sum(int(r.sum()) for r in resident) * PAGE, paged, time.monotonic() - started)
         return paged
 
-    def _misses(self, resident: list[np.ndarray]) -> dict[int, list[int]]:
-        tracked = np.zeros(len(self._layout.experts), dtype=bool)
-        for x in self.pool.tracked():
-            tracked[self._ids[x]] = True
+    def _fresh_misses(self, resident: list[np.ndarray]) -> np.ndarray:
+        """Experts resident now, not held by the pool, and not already so at the last pass: llama's new misses.
+        Reported once per arrival: one nobody could page out would otherwise count as a miss every pass."""
         seen = np.zeros(len(self._layout.experts), dtype=bool)
         for owner, res in zip(self._layout.owners, resident, strict=True):
-            ids = owner[res & (owner >= 0)]
-            seen[ids] = True
-        # reported once per arrival: an expert nobody could page out would otherwise count as a miss every sweep
-        missing = seen & ~tracked
+            seen[owner[res & (owner >= 0)]] = True
+        missing = seen & ~self._flags(self.pool.tracked())
         fresh = missing & ~self._was_missing
         self._was_missing = missing
+        return fresh
+
+    def _flags(self, experts: set[tuple[int, int]]) -> np.ndarray:
+        flags = np.zeros(len(self._layout.experts), dtype=bool)
+        for x in experts:
+            flags[self._ids[x]] = True
+        return flags
+
+    def _by_layer(self, flags: np.ndarray) -> dict[int, list[int]]:
         out: dict[int, list[int]] = {}
-        for gid in np.flatnonzero(fresh):
+        for gid in np.flatnonzero(flags):
             layer, e = self._layout.experts[gid]
             out.setdefault(layer, []).append(e)
         return out
 
-    def _held_flags(self) -> np.ndarray:
-        held = np.zeros(len(self._layout.experts), dtype=bool)
-        for x in self.pool.tracked():
-            held[self._ids[x]] = True
-        return held
-
-    def _runs_to_move(self, resident: list[np.ndarray], held: np.ndarray) -> tuple[list[PageRun], list[PageRun]]:
+    def _runs_to_move(
+        self, resident: list[np.ndarray], held: np.ndarray, fresh: np.ndarray
+    ) -> tuple[list[PageRun], list[PageRun]]:
+        """(page out, read ahead). Out: expert pages the pool does not hold, except the new misses, which
+        llama is likely still reading (its matmul goes through gate, up and down of the layer's experts):
+        they go at the next pass if the policy did not take them. In: what the pool holds that the kernel
+        evicted, and the rest of every new miss (one large read instead of llama's 128 KiB faults)."""
         out: list[PageRun] = []
         into: list[PageRun] = []
         for f, (owner, res) in enumerate(zip(self._layout.owners, resident, strict=True)):
             expert = owner >= 0
             is_held = np.zeros(len(owner), dtype=bool)
             is_held[expert] = held[owner[expert]]
-            out += [(f, a, b) for a, b in page_runs(res & expert & ~is_held)]
-            into += [(f, a, b) for a, b in page_runs(~res & is_held)]
+            is_fresh = np.zeros(len(owner), dtype=bool)
+            is_fresh[expert] = fresh[owner[expert]]
+            wanted = is_held | is_fresh
+            if self.lock_mode != "mlock":  # unlocked non-expert pages the kernel took come back too
+                wanted |= owner == _NON_EXPERT
+            out += [(f, a, b) for a, b in page_runs(res & expert & ~is_held & ~is_fresh)]
+            into += [(f, a, b) for a, b in page_runs(~res & wanted)]
         return out, into
 
     def _page_out(self, runs: list[PageRun]) -> int:
@@ -372,6 +392,7 @@ class RamTier:
             llama_pids=sorted(self._pagers),
             lock_mode=self.lock_mode,
             problem=self.problem,
+            generation=self.generation,
         )
 
     def close(self) -> None:

@@ -120,13 +120,17 @@ class RamTierStats(BaseModel):
     resident_non_expert_bytes: int
     max_resident_bytes: int = Field(description="the most the model file had resident at a sweep, before it paged out")
     over_budget_sweeps: int = Field(description="sweeps that found more than the budget resident")
-    paged_out_bytes_total: int = Field(description="bytes paged out of llama's mapping (process_madvise MADV_PAGEOUT)")
+    paged_out_bytes_total: int = Field(
+        description="resident expert bytes the tier paged out (process_madvise MADV_PAGEOUT on llama's mapping, "
+        "then POSIX_FADV_DONTNEED)"
+    )
     misses_seen_total: int = Field(description="experts found resident that the pool did not hold (llama's misses)")
     sweeps: int
     mean_sweep_ms: float
     llama_pids: list[int] = Field(description="the processes mapping the model file that the tier pages out of")
     lock_mode: Literal["mlock", "prefetch-only"] = Field(description="how the non-expert tensors are kept")
     problem: str | None = Field(default=None, description="a degraded mode, said once")
+    generation: int = Field(default=0, description="times the model file was replaced and the pool rebuilt on it")
 
 
 class FlywheelStats(BaseModel):
