@@ -266,11 +266,16 @@ async def rebuild_pool(service: Service) -> None:
         service.pool_problem = f"the model file changed and cannot be indexed now ({reason}); retrying"
         await asyncio.sleep(1.0)
         return
+    # detached before closed: a stats call or hint in between sees no pool rather than a closed one
+    service.pool, service.ram_tier = None, None
+    if isinstance(service.hints, HintController):
+        service.hints.pool = None
+    if service.flywheel is not None:
+        service.flywheel.pool = None
     if old_tier is not None:
         await asyncio.to_thread(old_tier.close)
     if old_pool is not None:
         await asyncio.to_thread(old_pool.close)
-    service.pool, service.ram_tier = None, None
     if old_index is not None and index.model_id != old_index.model_id:
         service.pool_problem = (
             f"{index.path} now holds another model (id {index.model_id}, was {old_index.model_id}); restart the "

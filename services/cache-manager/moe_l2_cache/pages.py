@@ -13,6 +13,7 @@ import ctypes.util
 import mmap
 import os
 import sys
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,6 +115,9 @@ class ModelPages:
         self._lock_refs: dict[tuple[int, int], int] = {}  # (file, page) -> locked ranges
         self._hold_refs: dict[tuple[int, int], int] = {}  # (file, page) -> held ranges
         self._kept: dict[int, np.ndarray] = {}  # file -> pages drop() leaves alone (the RAM tier's locked ones)
+        # the RAM tier's page-out of other processes' mappings: what the pool evicts leaves llama's too,
+        # before the pool reads in what replaces it
+        self.page_out_elsewhere: Callable[[list[PageRun]], object] | None = None
         try:
             for path in paths:
                 self._maps.append(_Mapping.open(path))
@@ -173,7 +177,10 @@ class ModelPages:
                 merged[-1] = (file, merged[-1][1], max(merged[-1][2], last))
             else:
                 merged.append((file, first, last))
-        for file, first, last in self._without_kept(merged):
+        merged = self._without_kept(merged)
+        if self.page_out_elsewhere is not None and merged:
+            self.page_out_elsewhere(merged)
+        for file, first, last in merged:
             mapping = self._maps[file]
             start = first * PAGE
             length = min((last - first + 1) * PAGE, mapping.size - start)

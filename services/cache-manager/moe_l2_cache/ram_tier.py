@@ -189,6 +189,7 @@ class RamTier:
         self.problem: str | None = None
         self.lock_mode = "mlock" if lock else "prefetch-only"
         self._keep_non_expert(lock)
+        pool.pages.page_out_elsewhere = self._page_out  # the pool's evictions leave llama's mapping at once
 
     # -- setup ---------------------------------------------------------------------------------------
 
@@ -401,6 +402,7 @@ class RamTier:
                 self.pool.pages.unlock(span)
             self._locked = []
             self.pool.pages.keep(self._layout.non_expert_runs, keep=False)
+            self.pool.pages.page_out_elsewhere = None
         for pager in self._pagers.values():
             pager.close()
         self._pagers.clear()
