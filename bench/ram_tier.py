@@ -540,7 +540,7 @@ def counters(stack: Stack, block: Path | None) -> tuple[int, int, int | None]:
 def one_request(client: httpx.Client, stack: Stack, i: int, run: ConfigRun, args: argparse.Namespace) -> Sample:
     domain = domain_of(i, args)
     hint_ms = hint_status = None
-    if stack.cache_url:
+    if stack.cache_url and args.hints == "on":
         t0 = time.perf_counter()
         resp = client.post(f"{stack.cache_url}/v1/hint", json={"domain": domain})
         hint_ms, hint_status = (time.perf_counter() - t0) * 1000, resp.status_code
@@ -904,6 +904,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-balloon", action="store_true", help="no memory pressure (smoke tests only)")
     parser.add_argument("--balloon-max-s", type=float, default=3600.0)
     parser.add_argument("--dwell-s", type=float, default=0.0, help="the cache-manager's MOE_L2_CACHE_DWELL_S")
+    parser.add_argument(
+        "--hints",
+        choices=("on", "off"),
+        default="on",
+        help="off: moe-l2 without the request-start hint (its prefetch of the domain's hot set): the tier alone",
+    )
     parser.add_argument("--ctx", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--start-timeout", type=float, default=600.0)
@@ -1002,6 +1008,7 @@ def main(argv: list[str] | None = None, progress: Callable[[str], None] | None =
             "balloon": not args.no_balloon,
             "margin_bytes": args.margin,
             "dwell_s": args.dwell_s,
+            "hints": args.hints,
             "greedy": {"temperature": 0, "top_k": 1, "seed": SEED},
             "llama_flags": "--parallel 1 --no-repack, default mmap, the same for both configs",
         },

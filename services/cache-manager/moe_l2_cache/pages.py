@@ -178,8 +178,6 @@ class ModelPages:
             else:
                 merged.append((file, first, last))
         merged = self._without_kept(merged)
-        if self.page_out_elsewhere is not None and merged:
-            self.page_out_elsewhere(merged)
         for file, first, last in merged:
             mapping = self._maps[file]
             start = first * PAGE
@@ -188,7 +186,15 @@ class ModelPages:
                 with suppress(OSError):  # kernels before 5.4 do not know it; the calls below still work
                     mapping.mm.madvise(_MADV_PAGEOUT, start, length)
             mapping.mm.madvise(mmap.MADV_DONTNEED, start, length)
-            os.posix_fadvise(mapping.fd, start, length, os.POSIX_FADV_DONTNEED)
+        # after our own unmapping: MADV_PAGEOUT skips a page two processes map
+        if self.page_out_elsewhere is not None and merged:
+            self.page_out_elsewhere(merged)
+        for file, first, last in merged:
+            mapping = self._maps[file]
+            start = first * PAGE
+            os.posix_fadvise(
+                mapping.fd, start, min((last - first + 1) * PAGE, mapping.size - start), os.POSIX_FADV_DONTNEED
+            )
 
     def forget(self, runs: list[PageRun]) -> None:
         """POSIX_FADV_DONTNEED only, for pages this process does not map (the RAM tier's page-outs: what

@@ -181,6 +181,7 @@ class RamTier:
         self._refused: set[int] = set()  # processes the kernel would not let us page out
         self._locked: list[Span] = []
         self._was_missing = np.zeros(len(self._layout.experts), dtype=bool)
+        self._was_tracked = np.zeros(len(self._layout.experts), dtype=bool)
         self._next_scan = 0.0
         self.rescan_s = 2.0
         self._faults = -1
@@ -267,9 +268,11 @@ class RamTier:
         seen = np.zeros(len(self._layout.experts), dtype=bool)
         for owner, res in zip(self._layout.owners, resident, strict=True):
             seen[owner[res & (owner >= 0)]] = True
-        missing = seen & ~self._flags(self.pool.tracked())
-        fresh = missing & ~self._was_missing
-        self._was_missing = missing
+        tracked = self._flags(self.pool.tracked())
+        missing = seen & ~tracked
+        # an expert the pool let go since the last pass is no miss: it is paged out now, without grace
+        fresh = missing & ~self._was_missing & ~self._was_tracked
+        self._was_missing, self._was_tracked = missing, tracked
         return fresh
 
     def _flags(self, experts: set[tuple[int, int]]) -> np.ndarray:
