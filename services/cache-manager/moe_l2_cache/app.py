@@ -236,8 +236,8 @@ async def run_ram_tier(service: Service) -> None:
     failing: str | None = None
     took = 0.0
     while True:
-        # at most a third of a core however large the model: a pass may take longer than the interval
-        await asyncio.sleep(max(service.settings.ram_sweep_s, 2 * took))
+        # at most half a core however large the model: a pass may take longer than the interval
+        await asyncio.sleep(max(service.settings.ram_sweep_s, took))
         tier = service.ram_tier
         if tier is None:
             await asyncio.sleep(1.0)  # the pool is off (another model in the file); nothing to keep

@@ -15,7 +15,7 @@ budget the cache-manager decides instead:
 
 The budget covers the whole file's residency: non-expert bytes + the pool's experts + a headroom
 for the misses llama faults in before they are paged out (one token's routed experts by default, at
-most 256 MiB and a quarter of the expert budget). Pages shared by two experts at a slice boundary
+most a quarter of the expert budget). Pages shared by two experts at a slice boundary
 are never paged out (at most one page per neighbouring pair of slices).
 
 The file is watched by identity: replaced (a new inode, size or mtime) -> ModelReplaced, and the
@@ -42,10 +42,6 @@ log = logging.getLogger(__name__)
 
 _NON_EXPERT = -1  # a page holding non-expert bytes: always kept
 _SHARED = -2  # a page two experts' slices share: never paged out
-# Misses llama faults in stay until the second pass after them (the grace in _runs_to_move): two
-# intervals, 0.2 s. Faults read ~70 MB/s here (ds-v2-lite, 2 cores, virtio disk) and an NVMe's at
-# most a few GB/s, so 256 MiB covers them; one token's routed experts, when smaller, bound them too.
-_DEFAULT_HEADROOM_CAP = 256 << 20
 _FULL_SWEEP_EVERY_S = 1.0  # a pass even without llama's faults: another process may have read the file
 
 
@@ -94,8 +90,13 @@ def plan_ram(index: ExpertIndex, budget_bytes: int, headroom_bytes: int | None =
             f"{index.path.name} is {gib(file_bytes)}"
         )
     expert_budget = budget_bytes - non_expert
+    # The headroom is one token's routed experts: misses stay resident for up to two passes (the grace
+    # in _runs_to_move), and a pass over the 9.5 GB ds-v2-lite shape takes ~0.2 s and the next waits as
+    # long, while a token from disk takes over a second: two passes see at most about one token's misses.
+    # 256 MiB (the disk's ~1 GB/s x two 0.1 s intervals) was measured too small: the model then sat at
+    # budget + 0.4 GiB between passes.
     if headroom_bytes is None:
-        headroom_bytes = min(index.n_expert_used * one_per_layer, _DEFAULT_HEADROOM_CAP, expert_budget // 4)
+        headroom_bytes = min(index.n_expert_used * one_per_layer, expert_budget // 4)
     headroom_bytes = max(0, min(headroom_bytes, expert_budget - one_per_layer))
     return RamPlan(budget_bytes, file_bytes, non_expert, expert_bytes, headroom_bytes)
 

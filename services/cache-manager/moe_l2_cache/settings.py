@@ -59,7 +59,7 @@ class CacheSettings(ServiceSettings):
     ram_headroom_bytes: ByteSize | None = Field(
         default=None,
         description="RAM tier: expert bytes left for misses between sweeps; default one token's routed experts, "
-        "at most 256 MiB and a quarter of the expert budget",
+        "at most a quarter of the expert budget",
     )
     hotset_bytes: int | None = Field(
         default=None, ge=0, description="byte budget of a domain's hot set; default: the pool budget"
