@@ -323,8 +323,8 @@ def test_service_keeps_the_budget_and_rebuilds_the_pool_when_the_model_file_is_r
     other = tmp_path / "other.gguf"
     write_shape_model(other, SHAPES["ds-v2-lite"].reduced(n_layer=3, n_vocab=8192), seed=1)
     os.replace(other, model)
-    _wait_for(lambda: manager.stats()["pool"] is None, 15, "the pool to stop on another model")
-    assert "now holds another model" in manager.stats()["reason"]
+    _wait_for(lambda: "now holds another model" in manager.stats()["reason"], 15, "the pool to stop on another model")
+    assert manager.stats()["pool"] is None and manager.stats()["ram_tier"] is None
     assert manager.client.get("/healthz").status_code == 200
     with pytest.raises(httpx.HTTPStatusError):
         manager.client.get("/v1/nope").raise_for_status()

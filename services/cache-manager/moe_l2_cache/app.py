@@ -268,6 +268,7 @@ async def rebuild_pool(service: Service) -> None:
         return
     # detached before closed: a stats call or hint in between sees no pool rather than a closed one
     service.pool, service.ram_tier = None, None
+    service.pool_problem = f"{index.path} was replaced; rebuilding the expert pool on it"
     if isinstance(service.hints, HintController):
         service.hints.pool = None
     if service.flywheel is not None:
