@@ -216,7 +216,13 @@ async def _build_pool(
     """The expert pool and, with MOE_L2_RAM_BUDGET, the RAM tier over it; a pool that cannot be made is a
     problem to report (the service still runs), a budget too small is RamTierError."""
     try:
-        pool = await asyncio.to_thread(ExpertPool, index, settings.pool_bytes, settings.policy, lock=settings.pool_lock)
+        # Under the RAM tier the experts are held by its passes, not locked: pinning a hot set locks
+        # gigabytes, which mlock reads from disk under the pool's lock, and the passes (which need that
+        # lock) stalled for seconds while llama's misses piled up past the budget (measured: +0.3 GiB).
+        lock_experts = settings.pool_lock and settings.ram_budget is None
+        pool = await asyncio.to_thread(ExpertPool, index, settings.pool_bytes, settings.policy, lock=lock_experts)
+        if not lock_experts and settings.pool_lock:
+            pool.lock_problem = "experts are held by the RAM tier (MOE_L2_RAM_BUDGET), not locked"
     except PoolError as e:
         log.warning("expert pool disabled: %s", e)
         return None, str(e), None
