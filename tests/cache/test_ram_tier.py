@@ -22,7 +22,8 @@ from moe_l2_cache.ram_tier import RamTier, RamTierError, plan_ram
 from moe_l2_cache.residency import ExpertPool
 from moe_l2_gguf.index import ExpertIndex, load_index
 from moe_l2_gguf.model_shapes import SHAPES, write_shape_model
-from tests.cache.conftest import CacheManager, RedisServer
+
+from .conftest import CacheManager, RedisServer
 
 MIB = 1 << 20
 
@@ -234,7 +235,9 @@ tier = RamTier(index, pool, plan)
 import time
 deadline = time.monotonic() + 20
 sweeps = 0
-while sweeps < 3 or (tier.stats().resident_non_expert_bytes < 0.9 * plan.non_expert_bytes and time.monotonic() < deadline):
+def short() -> bool:
+    return tier.stats().resident_non_expert_bytes < 0.9 * plan.non_expert_bytes
+while sweeps < 3 or (short() and time.monotonic() < deadline):
     tier._faults = -1
     tier.sweep()
     sweeps += 1
