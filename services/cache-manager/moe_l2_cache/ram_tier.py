@@ -254,13 +254,16 @@ class RamTier:
                 self._counters.misses_seen += int(fresh.sum())
                 self.pool.prefetch(self._by_layer(fresh))  # accesses: the policy may admit them (and evict others)
             held = self._flags(self.pool.tracked())
-            out_runs, in_runs = self._runs_to_move(resident, held, fresh)
+            # over the budget: no grace and no read-ahead for the new misses, they leave now
+            total = sum(int(r.sum()) for r in resident) * PAGE
+            grace = fresh if total <= self.plan.budget_bytes else np.zeros_like(fresh)
+            out_runs, in_runs = self._runs_to_move(resident, held, grace)
             self._page_out(out_runs)
             pages.forget(out_runs)
             paged = sum((b - a + 1) * PAGE for _, a, b in out_runs)
             pages.read_ahead(in_runs)
         # the peak: what was resident before this sweep paged anything out
-        self._count(sum(int(r.sum()) for r in resident) * PAGE, paged, time.monotonic() - started)
+        self._count(total, paged, time.monotonic() - started)
         return paged
 
     def _fresh_misses(self, resident: list[np.ndarray]) -> np.ndarray:
