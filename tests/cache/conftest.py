@@ -20,6 +20,32 @@ from moe_l2_ops.supervisor import free_port
 
 from ..conftest import LlamaServer
 
+# Prepended to a `python -c` script: drops CAP_IPC_LOCK (bit 14) from the effective set, so that mlock is
+# bound by RLIMIT_MEMLOCK (then set to 64 KiB) even for root. A capset refused shows in stderr.
+WITHOUT_IPC_LOCK = r"""
+import ctypes, resource
+class Header(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+class Data(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+libc = ctypes.CDLL(None, use_errno=True)
+header, data = Header(0x20080522, 0), (Data * 2)()
+assert libc.capget(ctypes.byref(header), data) == 0
+data[0].effective &= ~(1 << 14)
+assert libc.capset(ctypes.byref(header), data) == 0
+resource.setrlimit(resource.RLIMIT_MEMLOCK, (65536, 65536))
+"""
+
+
+def drop_page_cache(path: Path) -> None:
+    """Out of the page cache (fsync first: a freshly written file has dirty pages, which DONTNEED cannot drop)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
 
 def _wait(check: Callable[[], bool], proc: subprocess.Popen[bytes], what: str, log: Path, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s

@@ -23,18 +23,9 @@ from moe_l2_cache.residency import ExpertPool
 from moe_l2_gguf.index import ExpertIndex, load_index
 from moe_l2_gguf.model_shapes import SHAPES, write_shape_model
 
-from .conftest import CacheManager, RedisServer
+from .conftest import WITHOUT_IPC_LOCK, CacheManager, RedisServer, drop_page_cache
 
 MIB = 1 << 20
-
-
-def drop_page_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 @pytest.fixture(scope="module")
@@ -225,22 +216,14 @@ def test_nothing_is_swept_while_llama_takes_no_fault(model: Path, toucher: Touch
         tier.pool.close()
 
 
-_DEGRADED = r"""
-import ctypes, json, logging, resource, sys
+_DEGRADED = (
+    WITHOUT_IPC_LOCK
+    + r"""
+import json, logging, sys
 from moe_l2_gguf.index import load_index
 from moe_l2_cache.residency import ExpertPool
 from moe_l2_cache.ram_tier import RamTier, plan_ram
 
-class Header(ctypes.Structure):
-    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-class Data(ctypes.Structure):
-    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
-libc = ctypes.CDLL(None, use_errno=True)
-header, data = Header(0x20080522, 0), (Data * 2)()
-assert libc.capget(ctypes.byref(header), data) == 0
-data[0].effective &= ~(1 << 14)  # CAP_IPC_LOCK: mlock is then bound by RLIMIT_MEMLOCK, even for root
-assert libc.capset(ctypes.byref(header), data) == 0
-resource.setrlimit(resource.RLIMIT_MEMLOCK, (65536, 65536))
 
 warnings = []
 class Catch(logging.Handler):
@@ -265,6 +248,7 @@ while sweeps < 3 or (short() and time.monotonic() < deadline):
     time.sleep(0.1)
 print(json.dumps({"stats": tier.stats().model_dump(), "warnings": warnings}))
 """
+)
 
 
 def test_memlock_limited_keeps_the_budget_by_prefetch_only_and_says_so_once(model: Path) -> None:

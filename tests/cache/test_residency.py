@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -17,20 +16,13 @@ from moe_l2_cache.pages import PAGE
 from moe_l2_cache.residency import ExpertPool
 from moe_l2_gguf.index import ExpertIndex, load_index
 
+from .conftest import WITHOUT_IPC_LOCK, drop_page_cache
+
 
 def vm_locked() -> int:
     """Bytes this process has locked, as the kernel counts them."""
     status = Path("/proc/self/status").read_text()
     return int(re.search(r"VmLck:\s+(\d+) kB", status).group(1)) * 1024  # type: ignore[union-attr]
-
-
-def drop_page_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # a freshly written file has dirty pages, which DONTNEED cannot drop
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def pages_of(index: ExpertIndex, layer: int, expert: int) -> set[int]:
@@ -120,22 +112,13 @@ def test_unlocking_one_expert_keeps_a_shared_page_of_its_neighbour_locked(index:
         pool.close()
 
 
-_DEGRADED = r"""
-import ctypes, json, logging, resource, sys
+_DEGRADED = (
+    WITHOUT_IPC_LOCK
+    + r"""
+import json, logging, sys
 from moe_l2_gguf.index import load_index
 from moe_l2_cache.residency import ExpertPool
 
-# drop CAP_IPC_LOCK (bit 14) from the effective set: mlock is then bound by RLIMIT_MEMLOCK, even for root
-class Header(ctypes.Structure):
-    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-class Data(ctypes.Structure):
-    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
-libc = ctypes.CDLL(None, use_errno=True)
-header, data = Header(0x20080522, 0), (Data * 2)()
-assert libc.capget(ctypes.byref(header), data) == 0
-data[0].effective &= ~(1 << 14)
-assert libc.capset(ctypes.byref(header), data) == 0
-resource.setrlimit(resource.RLIMIT_MEMLOCK, (65536, 65536))
 
 warnings = []
 class Catch(logging.Handler):
@@ -152,6 +135,7 @@ stats = pool.stats()
 print(json.dumps({"first": first.lock_mode, "second": second.lock_mode, "warnings": warnings,
                   "after_first": after_first.model_dump(), "stats": stats.model_dump()}))
 """
+)
 
 
 def test_low_memlock_limit_degrades_to_prefetch_only_and_says_so_once(demo_model: Path) -> None:
