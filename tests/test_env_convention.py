@@ -39,6 +39,9 @@ STACK_WIDE = {
     "MOE_L2_TAXONOMY_PATH",
     "MOE_L2_REDIS_URL",
     "MOE_L2_LOG_LEVEL",
+    # the model file's memory on its host, not one service's setting (docs/ram-tier.md); the issue
+    # that asked for it names it so
+    "MOE_L2_RAM_BUDGET",
 }
 
 
