@@ -158,6 +158,7 @@ SERIES = [
     "0018-expert-cache-copy-stream.patch",
     "0019-expert-cache-preload.patch",
     "0020-server-hot-set-preload.patch",
+    "0021-moe-willneed.patch",
 ]
 
 
@@ -275,3 +276,17 @@ def test_a_cuda_build_of_the_current_patches_is_current_whatever_its_flags(
     assert builds == {"aaaa": False, "bbbb": True}
     check = check_llama_binary()
     assert check.status == "pass" and "cuda build bbbb" in check.detail
+
+
+def test_the_experts_are_read_ahead_only_when_asked() -> None:
+    """moe_willneed (patch 0021) is off by default, only the server's --moe-willneed turns it on, and the
+    graph gains its node only then: off, llama.cpp's graph is unchanged."""
+    added = added_lines(build_mod.default_patches_dir() / "0021-moe-willneed.patch")
+    assert "        /*.moe_willneed                =*/ false," in added["src/llama-context.cpp"]
+    assert any(re.match(r"\s*bool moe_willneed\s*=\s*false;", line) for line in added["common/common.h"])
+    turned_on = [line.strip() for lines in added.values() for line in lines if "moe_willneed = true" in line]
+    assert turned_on == ["params.moe_willneed = true;"]
+    assert any('{"--moe-willneed"}' in line for line in added["common/arg.cpp"])
+    graph = added["src/llama-graph.cpp"]
+    built = [i for i, line in enumerate(graph) if "build_moe_willneed(selected_experts" in line]
+    assert len(built) == 1 and graph[built[0] - 1].strip() == "if (cparams.moe_willneed) {"

@@ -75,6 +75,18 @@ def test_transitions_are_counted_with_the_expert_cache_unless_set(
     assert llama_server_env(settings)["LLAMA_MOE_TRANSITIONS"] == ("1" if counted else "0")
 
 
+@pytest.mark.parametrize(
+    ("budget", "willneed", "flag"),
+    [("", None, False), ("12GiB", None, True), ("", True, True), ("12GiB", False, False), ("  ", None, False)],
+)
+def test_the_engine_reads_experts_ahead_under_a_ram_budget_unless_set(
+    budget: str, willneed: bool | None, flag: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MOE_L2_RAM_BUDGET", budget)  # stack-wide: the cache-manager holds it, llama follows
+    settings = LlamaSettings(moe_willneed=willneed)
+    assert ("--moe-willneed" in llama_server_command(Path("llama-server"), Path("m.gguf"), settings)) == flag
+
+
 def write_info(tmp_path: Path, info: dict) -> Path:
     binary = tmp_path / "key" / "bin" / "llama-server"
     binary.parent.mkdir(parents=True)

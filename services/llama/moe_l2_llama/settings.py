@@ -80,10 +80,24 @@ class LlamaSettings(ServiceSettings):
         description="count per domain which expert follows which at the next layer (LLAMA_MOE_TRANSITIONS), "
         "the tables the expert cache's prefetch learns from; needs the telemetry; unset: on with the expert cache",
     )
+    ram_budget: str = stack_wide(
+        "RAM_BUDGET", default="", description="the RAM tier's budget, held by the cache-manager (docs/ram-tier.md)"
+    )
+    moe_willneed: bool | None = Field(
+        default=None,
+        description="as soon as a MoE layer's router has chosen, read the chosen experts ahead from the mapped "
+        "model (--moe-willneed); unset: on when MOE_L2_RAM_BUDGET is set",
+    )
 
 
 def expert_cache_on(settings: LlamaSettings) -> bool:
     return bool(re.sub(r"[^1-9]", "", settings.expert_cache_bytes))  # any nonzero digit: not off
+
+
+def willneed_on(settings: LlamaSettings) -> bool:
+    """A model larger than its RAM budget is read expert by expert from its mapping: the engine asks for each
+    layer's chosen experts at once instead of faulting them in (docs/ram-tier.md has the measurement)."""
+    return settings.moe_willneed if settings.moe_willneed is not None else bool(settings.ram_budget.strip())
 
 
 def counts_transitions(settings: LlamaSettings) -> bool:
@@ -124,6 +138,8 @@ def llama_server_command(binary: Path, model: Path, settings: LlamaSettings) -> 
         cmd += ["--gpu-layers", str(settings.gpu_layers)]
     if expert_cache_on(settings):
         cmd += ["--moe-cache-bytes", settings.expert_cache_bytes, "--moe-cache-policy", settings.expert_cache_policy]
+    if willneed_on(settings):
+        cmd.append("--moe-willneed")
     repack = settings.cpu_repack if settings.cpu_repack is not None else not cpu_has_amx()
     if not repack:
         cmd.append("--no-repack")
