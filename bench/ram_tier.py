@@ -5,9 +5,13 @@ non-expert bytes) and each round, two configurations run one after the other, th
 every round, on the same llama-server binary, flags, model, prompts and route trace:
 
   stock   llama-server alone: llama.cpp's mmap, the kernel's page cache is the only cache
-  moe-l2  the same llama-server + a real redis-server + the real cache-manager with
-          MOE_L2_RAM_BUDGET; before each request the bench POSTs /v1/hint {"domain": D} (the
-          prefetch the gateway triggers when a request starts) and sends X-MoE-Domain to llama
+  moe-l2  the same llama-server with --moe-willneed (each MoE layer's chosen experts read ahead
+          by the engine) + a real redis-server + the real cache-manager with MOE_L2_RAM_BUDGET;
+          before each request the bench POSTs /v1/hint {"domain": D} (the prefetch the gateway
+          triggers when a request starts) and sends X-MoE-Domain to llama
+  willneed  (only with --configs ...,willneed) stock + --moe-willneed: the engine's part alone
+
+--hints off and --willneed off take those parts out of moe-l2, to measure what each brings.
 
 Before each configuration everything is stopped and the model file is dropped from the page cache
 (POSIX_FADV_DONTNEED with no process mapping it), so both start cold. Once the services are up, a
@@ -28,7 +32,8 @@ the texts of stock and moe-l2 for the same prompt must be identical.
 
     python bench/ram_tier.py [--model PATH | --shape ds-v2-lite] [--budgets 50,75] [--rounds 2]
         [--requests 4] [--tokens 32] [--binary PATH] [--trace auto|none|FILE] [--margin-mib 768]
-        [--no-balloon] [--out bench/results/ram_tier.json]
+        [--no-balloon] [--hints on|off] [--willneed on|off] [--configs stock,willneed,moe-l2]
+        [--out bench/results/ram_tier.json]
 """
 
 from __future__ import annotations
@@ -72,7 +77,9 @@ ESFT_N_EXPERT = 64
 MIB = 1 << 20
 PAGE = os.sysconf("SC_PAGE_SIZE")
 SEED = 42
-CONFIGS = ("stock", "moe-l2")
+# "willneed": stock + the engine's read-ahead of each layer's chosen experts alone, no tier (--configs)
+CONFIGS = ("stock", "willneed", "moe-l2")
+DEFAULT_CONFIGS = ("stock", "moe-l2")
 
 PROMPTS = (
     "Summarize the following contract clause about liability and indemnification for a client who",
@@ -382,6 +389,7 @@ def start_stack(config: str, model: Path, binary: Path, budget: int, args: argpa
             threads=args.threads,
             telemetry=True,
             admin_token=args.token,
+            moe_willneed=config == "willneed" or (config == "moe-l2" and args.willneed == "on"),
             cpu_repack=False,  # repacked weights would live in anonymous memory, not in the mapping
         )
         spec = llama_service_spec(f"llama-{config}", binary, model, settings, start_timeout_s=args.start_timeout)
@@ -674,30 +682,33 @@ def greedy_check(runs: list[ConfigRun]) -> tuple[bool, list[dict]]:
     mismatches = [
         {"request": i, "texts": by_run} for i, by_run in sorted(texts.items()) if len(set(by_run.values())) > 1
     ]
-    both = {s.config for r in runs for s in r.samples} >= set(CONFIGS)
+    both = {s.config for r in runs for s in r.samples} >= {"stock", "moe-l2"}
     return both and not mismatches, mismatches
 
 
-def summarize(runs: list[ConfigRun], budgets: list[float], mb: ModelBytes) -> dict[str, dict]:
+def ratios(x: dict, stock: dict) -> dict[str, float | None]:
+    keys = ("decode_tokens_per_s", "majflt_per_token", "read_bytes_per_token", "block_read_bytes_per_token")
+    return {k: ratio(x[k], stock[k]) for k in keys}
+
+
+def summarize(
+    runs: list[ConfigRun], budgets: list[float], mb: ModelBytes, configs: tuple[str, ...] = DEFAULT_CONFIGS
+) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for pct in budgets:
         at = [r for r in runs if r.budget_pct == pct]
-        per = {c: summarize_config([r for r in at if r.config == c]) for c in CONFIGS}
-        m, s = per["moe-l2"], per["stock"]
+        per = {c: summarize_config([r for r in at if r.config == c]) for c in configs}
         identical, mismatches = greedy_check(at)
         out[f"{pct:g}"] = {
             "budget_pct_of_expert_bytes": pct,
             "budget_bytes": mb.budget(pct),
             "configs": per,
-            "ratios_moe_l2_vs_stock": {
-                "decode_tokens_per_s": ratio(m["decode_tokens_per_s"], s["decode_tokens_per_s"]),
-                "majflt_per_token": ratio(m["majflt_per_token"], s["majflt_per_token"]),
-                "read_bytes_per_token": ratio(m["read_bytes_per_token"], s["read_bytes_per_token"]),
-                "block_read_bytes_per_token": ratio(m["block_read_bytes_per_token"], s["block_read_bytes_per_token"]),
-            },
+            "ratios_moe_l2_vs_stock": ratios(per["moe-l2"], per["stock"]),
             "greedy_identical": identical,
             "greedy_mismatches": mismatches,
         }
+        if "willneed" in per:
+            out[f"{pct:g}"]["ratios_willneed_vs_stock"] = ratios(per["willneed"], per["stock"])
     return out
 
 
@@ -706,7 +717,6 @@ def _f(x: float | None, fmt: str) -> str:
 
 
 def table(pct: str, b: dict) -> str:
-    r = b["ratios_moe_l2_vs_stock"]
     lines = [
         f"budget {pct}% of the expert bytes = {b['budget_bytes'] / 2**30:.2f} GiB (with the non-expert bytes)",
         "",
@@ -714,7 +724,7 @@ def table(pct: str, b: dict) -> str:
         "| max model resident GiB | max RssFile GiB | resident <= budget |",
         "|" + " --- |" * 8,
     ]
-    for c in CONFIGS:
+    for c in (c for c in CONFIGS if c in b["configs"]):
         x = b["configs"][c]
         lines.append(
             f"| {c} | {_f(x['decode_tokens_per_s'], '.2f')} | {_f(x['majflt_per_token'], '.1f')} "
@@ -723,11 +733,14 @@ def table(pct: str, b: dict) -> str:
             f"| {x['max_model_resident_bytes'] / 2**30:.3f} | {x['max_rss_file_bytes'] / 2**30:.3f} "
             f"| {'pass' if x['resident_within_budget'] else 'FAIL'} |"
         )
-    x = {k: "-" if v is None else f"{v:.2f}x" for k, v in r.items()}
-    lines.append(
-        f"| moe-l2 / stock | {x['decode_tokens_per_s']} | {x['majflt_per_token']} | {x['read_bytes_per_token']} "
-        f"| {x['block_read_bytes_per_token']} | | | |"
-    )
+    for c in ("willneed", "moe_l2"):
+        if (r := b.get(f"ratios_{c}_vs_stock")) is None:
+            continue
+        x = {k: "-" if v is None else f"{v:.2f}x" for k, v in r.items()}
+        lines.append(
+            f"| {c.replace('_', '-')} / stock | {x['decode_tokens_per_s']} | {x['majflt_per_token']} "
+            f"| {x['read_bytes_per_token']} | {x['block_read_bytes_per_token']} | | | |"
+        )
     lines.append(
         f"\ngreedy output identical (stock vs moe-l2, every prompt): {'yes' if b['greedy_identical'] else 'NO'}"
     )
@@ -910,6 +923,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="on",
         help="off: moe-l2 without the request-start hint (its prefetch of the domain's hot set): the tier alone",
     )
+    parser.add_argument(
+        "--willneed",
+        choices=("on", "off"),
+        default="on",
+        help="off: moe-l2 without the engine's read-ahead of each layer's chosen experts (--moe-willneed)",
+    )
+    parser.add_argument(
+        "--configs",
+        default=",".join(DEFAULT_CONFIGS),
+        help=f"which of {', '.join(CONFIGS)} to run (stock and moe-l2 always); willneed: stock + --moe-willneed",
+    )
     parser.add_argument("--ctx", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--start-timeout", type=float, default=600.0)
@@ -919,6 +943,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.rounds < 1 or args.requests < 1 or args.tokens < 1:
         parser.error("--rounds, --requests and --tokens must be at least 1")
     args.margin = int(args.margin_mib * MIB)
+    chosen = {c.strip() for c in args.configs.split(",") if c.strip()}
+    if unknown := chosen - set(CONFIGS):
+        parser.error(f"--configs: unknown {', '.join(sorted(unknown))} (known: {', '.join(CONFIGS)})")
+    args.configs = tuple(c for c in CONFIGS if c in chosen | set(DEFAULT_CONFIGS))
     return args
 
 
@@ -965,7 +993,7 @@ def main(argv: list[str] | None = None, progress: Callable[[str], None] | None =
             try:
                 for pct in budgets:
                     for rnd in range(args.rounds):
-                        for config in rotated(CONFIGS, rnd):
+                        for config in rotated(args.configs, rnd):
                             say(f"budget {pct:g}% round {rnd + 1}/{args.rounds}: {config} ...")
                             run = run_config(config, pct, rnd, model, binary, args, logs)
                             runs.append(run)
@@ -1009,8 +1037,11 @@ def main(argv: list[str] | None = None, progress: Callable[[str], None] | None =
             "margin_bytes": args.margin,
             "dwell_s": args.dwell_s,
             "hints": args.hints,
+            "willneed": args.willneed,
+            "configs": list(args.configs),
             "greedy": {"temperature": 0, "top_k": 1, "seed": SEED},
-            "llama_flags": "--parallel 1 --no-repack, default mmap, the same for both configs",
+            "llama_flags": "--parallel 1 --no-repack, default mmap, the same for every config but "
+            "--moe-willneed (moe-l2 unless --willneed off, and willneed)",
         },
         "routing": trace_note,
         "flywheel_seed": seed_note,
@@ -1025,7 +1056,7 @@ def main(argv: list[str] | None = None, progress: Callable[[str], None] | None =
             "balloon is sized once the services are up so that MemAvailable ~ budget + margin (minus model "
             "pages already locked)"
         ),
-        "budgets": summarize(runs, budgets, mb),
+        "budgets": summarize(runs, budgets, mb, args.configs),
         "runs": [
             {k: v for k, v in asdict(r).items() if k != "samples"}
             | {"samples": [asdict(s) | {"majflt_per_token": s.majflt_per_token} for s in r.samples]}
