@@ -154,6 +154,57 @@ def test_sweep_pages_out_of_the_other_process_what_the_pool_does_not_hold(model:
         tier.pool.close()
 
 
+def test_a_quick_pass_on_one_page_per_expert_pages_out_what_the_pool_does_not_hold(
+    model: Path, toucher: Toucher
+) -> None:
+    """The loop's passes between full ones probe one page per expert (~20 ms where the full mincore over a
+    9.5 GB file takes ~200 ms), and are skipped while llama reads nothing."""
+    tier = _tier(model, experts_held=16)
+    try:
+        index = tier.index
+        toucher.touch(0, sum(index.file_sizes))  # every expert resident, in the other process's mapping
+        mapped_before = toucher.rss_file()
+        assert tier.quick_sweep() > 0.5 * index.routed_bytes
+        stats = tier.stats()
+        held = tier.pool.tracked()
+        assert 0 < len(held) <= 16 - 2
+        assert stats.resident_expert_bytes <= tier.pool.resident_bytes(held)[1] + 16 * PAGE * 3 + 4 * MIB
+        assert stats.resident_non_expert_bytes >= tier.plan.non_expert_bytes
+        assert toucher.rss_file() < mapped_before - 0.5 * index.routed_bytes
+        assert stats.misses_seen_total >= len(held)
+        tier.quick_sweep()  # the pass after new misses runs anyway: it decides the ones given grace
+        # nothing read since: no pass
+        sweeps = tier.stats().sweeps
+        assert tier.quick_sweep() == 0 and tier.stats().sweeps == sweeps
+        # llama reads a cold expert again: the next quick pass sees it
+        layer = index.moe_layers[0]
+        cold = next(e for e in range(index.n_expert) if (layer, e) not in tier.pool.tracked())
+        drop_page_cache(model)  # what nobody maps: the toucher's next touch reads from storage
+        toucher.touch_expert(index, layer, cold)
+        tier.quick_sweep()
+        assert tier.stats().sweeps == sweeps + 1
+        assert tier.stats().misses_seen_total > stats.misses_seen_total
+    finally:
+        tier.close()
+        tier.pool.close()
+
+
+def test_the_loop_takes_a_full_pass_at_least_once_a_second(model: Path) -> None:
+    tier = _tier(model, experts_held=16)
+    try:
+        full, quick = [], []
+        tier.sweep, tier.quick_sweep = (lambda: full.append(1) or 0), (lambda: quick.append(1) or 0)  # type: ignore[method-assign]
+        tier._last_full = time.monotonic()
+        tier.step()
+        assert (len(full), len(quick)) == (0, 1)
+        tier._last_full -= 1.0
+        tier.step()
+        assert (len(full), len(quick)) == (1, 1)
+    finally:
+        tier.close()
+        tier.pool.close()
+
+
 def test_over_the_budget_new_misses_get_no_grace(model: Path, toucher: Toucher) -> None:
     tier = _tier(model, experts_held=16)
     try:

@@ -250,7 +250,7 @@ async def run_ram_tier(service: Service) -> None:
             continue
         started = time.monotonic()
         try:
-            await asyncio.to_thread(tier.sweep)
+            await asyncio.to_thread(tier.step)
             took = time.monotonic() - started
             failing = None
         except ModelReplaced as e:

@@ -233,6 +233,15 @@ class ModelPages:
         mapping = self._maps[file]
         return (self._libc.mincore(mapping.base, mapping.size) & 1).astype(bool)
 
+    def resident_pages(self, file: int, pages: np.ndarray) -> np.ndarray:
+        """One bool per page index given: in the page cache now. One mincore call per page: for the RAM
+        tier's probes, a page per expert (~8 us each), where a mincore over a 9.5 GB file takes ~200 ms."""
+        mapping = self._maps[file]
+        out = np.zeros(len(pages), dtype=bool)
+        for i, page in enumerate(pages.tolist()):
+            out[i] = bool(self._libc.mincore(mapping.base + page * PAGE, PAGE)[0] & 1)
+        return out
+
     def resident_count(self, run: PageRun) -> int:
         """Pages of the run in the page cache now."""
         file, first, last = run

@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 _NON_EXPERT = -1  # a page holding non-expert bytes: always kept
 _SHARED = -2  # a page two experts' slices share: never paged out
-_FULL_SWEEP_EVERY_S = 1.0  # a pass even without llama's faults: another process may have read the file
+_FULL_SWEEP_EVERY_S = 1.0  # a full pass at least this often: partial residency, other readers of the file
 
 
 class RamTierError(Exception):
@@ -123,6 +123,9 @@ class _Layout:
     owners: list[np.ndarray]
     non_expert_runs: list[PageRun]
     experts: list[tuple[int, int]] = field(default_factory=list)  # global id -> (layer, expert)
+    expert_runs: list[list[PageRun]] = field(default_factory=list)  # global id -> the pages it alone owns
+    probes: list[tuple[int, int]] = field(default_factory=list)  # global id -> (file, page): its first own page
+    expert_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # global id -> bytes
 
 
 def _layout(index: ExpertIndex, pool: ExpertPool) -> _Layout:
@@ -151,7 +154,17 @@ def _layout(index: ExpertIndex, pool: ExpertPool) -> _Layout:
         non_expert[f] = expert_bytes[f] < full
         owner[non_expert[f]] = _NON_EXPERT
     runs = [(f, int(a), int(b)) for f, mask in enumerate(non_expert) for a, b in page_runs(mask)]
-    return _Layout(owners, runs, experts)
+    expert_runs: list[list[PageRun]] = []
+    for gid, (layer, e) in enumerate(experts):
+        own: list[PageRun] = []
+        for r in index.expert_ranges(layer, e):
+            span = pages.span(r)
+            mine = owners[span.file][span.first : span.last + 1] == gid
+            own += [(span.file, span.first + int(a), span.first + int(b)) for a, b in page_runs(mine)]
+        expert_runs.append(own)
+    probes = [(run[0][0], run[0][1]) if run else (-1, -1) for run in expert_runs]
+    sizes = np.array([index.expert_bytes(layer) for layer, _ in experts], dtype=np.int64)
+    return _Layout(owners, runs, experts, expert_runs, probes, sizes)
 
 
 def _add_bytes(acc: np.ndarray, r: ByteRange) -> None:
@@ -186,6 +199,7 @@ class RamTier:
         self._next_scan = 0.0
         self.rescan_s = 2.0
         self._faults = -1
+        self._reads = -1
         self._last_full = 0.0
         self._grace_pending = False
         self.problem: str | None = None
@@ -232,6 +246,71 @@ class RamTier:
             if now != known:
                 raise ModelReplaced(f"{path} changed (inode, size or modification time)")
 
+    def step(self) -> int:
+        """The loop's pass: a full one at least every _FULL_SWEEP_EVERY_S, quick ones in between."""
+        if time.monotonic() - self._last_full >= _FULL_SWEEP_EVERY_S:
+            return self.sweep()
+        return self.quick_sweep()
+
+    def quick_sweep(self) -> int:
+        """A pass on one page per expert: its first page resident = llama read it (the engine reads a chosen
+        expert's slices at once with --moe-willneed; a fault reads around the first page it touches). ~20 ms
+        over the 9.5 GB ds-v2-lite shape where the full pass takes ~330 ms, so it keeps pace with llama:
+        with the full pass alone, run once a second because --moe-willneed's reads take no major fault,
+        the model went 0.23 GiB over the budget between passes. Skipped while llama read nothing."""
+        started = time.monotonic()
+        self.check_file()
+        self._refresh_pagers(started)
+        reads = self._llama_reads()
+        if reads == self._reads and not self._grace_pending:
+            return 0
+        self._reads = reads
+        pages = self.pool.pages
+        with self.pool.mutex:
+            present = self._probe()
+            fresh = self._fresh(present)
+            self._grace_pending = bool(fresh.any())
+            if fresh.any():
+                self._counters.misses_seen += int(fresh.sum())
+                self.pool.prefetch(self._by_layer(fresh))
+            held = self._flags(self.pool.tracked())
+            estimate = self.plan.non_expert_bytes + int(self._layout.expert_bytes[present].sum())
+            grace = fresh if estimate <= self.plan.budget_bytes else np.zeros_like(fresh)
+            runs = self._layout.expert_runs
+            out_runs = [run for gid in np.flatnonzero(present & ~held & ~grace) for run in runs[gid]]
+            # held experts the kernel evicted come back, and the rest of a miss kept one more pass
+            in_runs = [run for gid in np.flatnonzero((held & ~present) | grace) for run in runs[gid]]
+            self._page_out(out_runs)
+            pages.forget(out_runs)
+            paged = sum((b - a + 1) * PAGE for _, a, b in out_runs)
+            pages.read_ahead(in_runs)
+        c = self._counters
+        c.sweeps += 1
+        c.paged_out_bytes += paged
+        c.sweep_seconds += time.monotonic() - started
+        return paged
+
+    def _probe(self) -> np.ndarray:
+        """Per expert: its probe page is in the page cache."""
+        present = np.zeros(len(self._layout.experts), dtype=bool)
+        probes = np.array(self._layout.probes, dtype=np.int64).reshape(-1, 2)
+        for f in range(len(self._layout.owners)):
+            ids = np.flatnonzero(probes[:, 0] == f)
+            present[ids] = self.pool.pages.resident_pages(f, probes[ids, 1])
+        return present
+
+    def _llama_reads(self) -> int:
+        """Bytes llama's processes read from storage (/proc/PID/io), plus their major faults: what the
+        engine's read-ahead brings in takes no fault, a stock llama's faults may read nothing new."""
+        total = self._llama_faults()
+        for pid in self._pagers:
+            try:
+                text = Path(f"/proc/{pid}/io").read_text()
+            except OSError:
+                continue
+            total += int(next((ln.split()[1] for ln in text.splitlines() if ln.startswith("read_bytes:")), 0))
+        return total
+
     def sweep(self) -> int:
         """One pass: report misses to the policy, page out what it does not hold. Returns bytes paged out.
 
@@ -272,6 +351,10 @@ class RamTier:
         seen = np.zeros(len(self._layout.experts), dtype=bool)
         for owner, res in zip(self._layout.owners, resident, strict=True):
             seen[owner[res & (owner >= 0)]] = True
+        return self._fresh(seen)
+
+    def _fresh(self, seen: np.ndarray) -> np.ndarray:
+        """Of the experts resident now (some page of each), the new misses; remembers this pass's state."""
         tracked = self._flags(self.pool.tracked())
         missing = seen & ~tracked
         # an expert the pool let go since the last pass is no miss: it is paged out now, without grace
