@@ -254,10 +254,11 @@ class RamTier:
 
     def quick_sweep(self) -> int:
         """A pass on one page per expert: its first page resident = llama read it (the engine reads a chosen
-        expert's slices at once with --moe-willneed; a fault reads around the first page it touches). ~20 ms
-        over the 9.5 GB ds-v2-lite shape where the full pass takes ~330 ms, so it keeps pace with llama:
-        with the full pass alone, run once a second because --moe-willneed's reads take no major fault,
-        the model went 0.23 GiB over the budget between passes. Skipped while llama read nothing."""
+        expert's slices at once with --moe-willneed; a fault reads around the first page it touches). ~45 ms
+        over the 9.5 GB ds-v2-lite shape (13 ms of probes) where the full pass takes ~330 ms. With the full
+        pass alone, run once a second since --moe-willneed's reads take no major fault, the model went
+        0.23 GiB over the budget at 50%; with quick passes too, 0.08-0.26 GiB: a prefill's burst of reads
+        still outruns them (docs/ram-tier.md). Skipped while llama read nothing."""
         started = time.monotonic()
         self.check_file()
         self._refresh_pagers(started)
