@@ -99,17 +99,24 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.fixture(scope="session")
-def vulkan_binary() -> Path:
+def vulkan_binary(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The Vulkan llama-server, built once and cached (`moe-l2 build-llama --vulkan`), or
     MOE_L2_VULKAN_LLAMA_SERVER. Without the packages a developer's run skips; CI (CI set) fails, so
-    a CI machine cannot skip the device path."""
+    a CI machine cannot skip the device path for want of a package. A machine whose llvmpipe cannot
+    run stock llama.cpp (tests/llvmpipe_probe.py) skips, in CI too, with the probe's finding."""
     from moe_l2_llama import build as build_mod
+    from tests.llvmpipe_probe import llvmpipe_fault
 
     if env := os.environ.get("MOE_L2_VULKAN_LLAMA_SERVER"):
-        return Path(env)
-    if missing := build_mod.missing_vulkan_packages():
+        binary = Path(env)
+    elif missing := build_mod.missing_vulkan_packages():
         reason = f"the Vulkan build needs {', '.join(missing)} (apt-get install {build_mod.VULKAN_APT_PACKAGES})"
         if os.environ.get("CI"):
             pytest.fail(reason)
         pytest.skip(reason)
-    return build_mod.build(build_mod.BuildConfig(backend="vulkan"))
+    else:
+        binary = build_mod.build(build_mod.BuildConfig(backend="vulkan"))
+    # pytest keeps a session fixture's skip, so the probe runs once however many tests ask
+    if fault := llvmpipe_fault(binary, demo_model, tmp_path_factory.mktemp("llvmpipe-probe")):
+        pytest.skip(f"this machine's llvmpipe fails stock llama.cpp (docs/test-bed.md): {fault}")
+    return binary
