@@ -26,8 +26,8 @@ from moe_l2_llama.settings import LlamaSettings
 from moe_l2_ops.llama_service import llama_service_spec
 from moe_l2_ops.supervisor import RunningService, Supervisor, SupervisorError, describe_exit, free_port
 
-# 3 to 7 tokens with the BOS: MUL_MAT_ID's vector path (2 < batch <= 8). On the demo model the fault
-# came at the second of these, 4 trials of 4; on the reduced ds-v2-lite shape at the first.
+# 3 to 7 tokens with the BOS: MUL_MAT_ID's vector path (2 < batch <= 8). On the faulty machine the demo
+# model died at the 2nd or 3rd of these, 7 runs of 7; the reduced ds-v2-lite shape at the 1st.
 PROBE_PROMPTS = ("the capital", "the capital of", "the capital of france", "a b c d e", "one two three four five six")
 
 
