@@ -75,25 +75,27 @@ def rss_anon(pid: int) -> int:
 
 def test_it_holds_the_memory_it_says() -> None:
     # the balloon's own resident anonymous memory is exact; MemAvailable is the whole machine's, which
-    # other processes move by hundreds of MiB at times: the best of three tries must show the drop
+    # other processes move by a few hundred MiB at times (CI saw drops of 158, 130 and -23 MiB for a
+    # 256 MiB balloon), so the balloon is large against that noise and the best of three tries counts
+    size = 1024 * MIB
     drops = []
     for _ in range(3):
         before = balloon.mem_available()
-        proc = start_balloon("--size-mib", "256", "--margin-mib", "128", "--max-s", "60")
+        proc = start_balloon("--size-mib", str(size // MIB), "--margin-mib", "128", "--max-s", "60")
         try:
             ready = next_event(proc)
-            assert ready["event"] == "ready" and ready["held_bytes"] == 256 * MIB
+            assert ready["event"] == "ready" and ready["held_bytes"] == size
             assert ready["oom_score_adj"] == 1000
             assert Path(f"/proc/{proc.pid}/oom_score_adj").read_text().strip() == "1000"
-            assert rss_anon(proc.pid) >= 256 * MIB
+            assert rss_anon(proc.pid) >= size
             time.sleep(1.5)  # the kernel folds its per-CPU counters into MemAvailable about once a second
             drops.append(before - balloon.mem_available())
         finally:
             stop(proc)
         assert next_event(proc)["event"] == "exit"
-        if 160 * MIB < drops[-1] < 400 * MIB:
+        if size // 2 < drops[-1] < 2 * size:
             break
-    assert any(160 * MIB < d < 400 * MIB for d in drops), [d / MIB for d in drops]
+    assert any(size // 2 < d < 2 * size for d in drops), [d / MIB for d in drops]
 
 
 def test_it_gives_memory_back_when_the_margin_is_crossed() -> None:
