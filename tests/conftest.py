@@ -99,7 +99,14 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.fixture(scope="session")
-def vulkan_binary(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def llvmpipe_probe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.llvmpipe_probe import write_probe_model
+
+    return write_probe_model(tmp_path_factory.mktemp("llvmpipe-probe-model") / "probe.gguf")
+
+
+@pytest.fixture(scope="session")
+def vulkan_binary(llvmpipe_probe_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The Vulkan llama-server, built once and cached (`moe-l2 build-llama --vulkan`), or
     MOE_L2_VULKAN_LLAMA_SERVER. Without the packages a developer's run skips; CI (CI set) fails, so
     a CI machine cannot skip the device path for want of a package. A machine whose llvmpipe cannot
@@ -117,6 +124,6 @@ def vulkan_binary(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) ->
     else:
         binary = build_mod.build(build_mod.BuildConfig(backend="vulkan"))
     # pytest keeps a session fixture's skip, so the probe runs once however many tests ask
-    if fault := llvmpipe_fault(binary, demo_model, tmp_path_factory.mktemp("llvmpipe-probe")):
+    if fault := llvmpipe_fault(binary, llvmpipe_probe_model, tmp_path_factory.mktemp("llvmpipe-probe")):
         pytest.skip(f"this machine's llvmpipe fails stock llama.cpp (docs/test-bed.md): {fault}")
     return binary

@@ -10,9 +10,11 @@ each of its cases passes alone. With the expert cache on, the same fault shows a
 answers, so every Vulkan test would wait out its 300 s timeout. The earlier CI machines (same Mesa)
 ran all of it; Mesa 25.0.7 from bookworm-backports did not help (its warm-up ran past 5 minutes).
 
-So the Vulkan tests ask first, with the demo model fully on the device and five short prompts: a
-server that dies or does not answer within `timeout_s` is a device that cannot test anything, and
-the tests skip with this reason rather than fail one by one on Mesa's fault.
+So the Vulkan tests ask first, with a reduced DeepSeek-V2-Lite shape (the one the expert cache's
+tests run) fully on the device and five short prompts: a server that dies or does not answer within
+`timeout_s` is a device that cannot test anything, and the tests skip with this reason rather than
+fail one by one on Mesa's fault. The demo model was the first probe: it let one faulty run through
+(it faulted 7 runs of 8), and the expert cache's tests then hung on that machine.
 """
 
 from __future__ import annotations
@@ -22,13 +24,22 @@ from pathlib import Path
 
 import httpx
 
+from moe_l2_gguf.model_shapes import get_shape, write_shape_model
 from moe_l2_llama.settings import LlamaSettings
 from moe_l2_ops.llama_service import llama_service_spec
 from moe_l2_ops.supervisor import RunningService, Supervisor, SupervisorError, describe_exit, free_port
 
-# 3 to 7 tokens with the BOS: MUL_MAT_ID's vector path (2 < batch <= 8). On the faulty machine the demo
-# model died at the 2nd or 3rd of these, 7 runs of 7; the reduced ds-v2-lite shape at the 1st.
+# one dense layer and one MoE layer of 64 experts (0.43 GiB, written in under a second): on the faulty
+# machine it stalled at the 2nd prompt in 9 runs of 9, while the demo model let 1 run of 8 through
+PROBE_SHAPE = get_shape("ds-v2-lite").reduced(2, 8192)
+
+# 3 to 7 tokens with the BOS: MUL_MAT_ID's vector path (2 < batch <= 8)
 PROBE_PROMPTS = ("the capital", "the capital of", "the capital of france", "a b c d e", "one two three four five six")
+
+
+def write_probe_model(path: Path) -> Path:
+    write_shape_model(path, PROBE_SHAPE, seed=0, progress=False)
+    return path
 
 
 def llvmpipe_fault(binary: Path, model: Path, logs: Path, timeout_s: float = 60) -> str | None:

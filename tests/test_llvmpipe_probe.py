@@ -31,8 +31,8 @@ http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
     return script
 
 
-def test_a_sound_server_passes(llama_binary: Path, demo_model: Path, tmp_path: Path) -> None:
-    assert llvmpipe_fault(llama_binary, demo_model, tmp_path) is None
+def test_a_sound_server_passes(llama_binary: Path, llvmpipe_probe_model: Path, tmp_path: Path) -> None:
+    assert llvmpipe_fault(llama_binary, llvmpipe_probe_model, tmp_path) is None
 
 
 def test_a_server_that_dies_on_the_prompt_is_named(demo_model: Path, tmp_path: Path) -> None:
