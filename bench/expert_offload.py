@@ -59,19 +59,19 @@ import numpy as np
 
 from moe_l2_contracts.admin import ADMIN_TOKEN_HEADER
 from moe_l2_gguf.index import ExpertIndex, GGUFIndexError, load_index
-from moe_l2_llama.route_trace import esft_sequence_tasks
+from moe_l2_llama.build import built_with_patch
+from moe_l2_llama.route_trace import ROUTE_TRACE_ENV, esft_sequence_tasks
 from moe_l2_llama.settings import LlamaSettings
 from moe_l2_ops.llama_service import llama_service_spec
 from moe_l2_ops.stats import parse_metrics
 from moe_l2_ops.supervisor import Supervisor, SupervisorError, free_port
 
 REPO = Path(__file__).resolve().parent.parent
-PATCHES = REPO / "services" / "llama" / "patches"
 BACKENDS = ("vulkan", "cuda", "cpu")
 DEFAULT_OFFLOAD_MIN_BATCH = 32  # ggml-cuda's and ggml-vulkan's default for GGML_OP_OFFLOAD_MIN_BATCH
 ALL_LAYERS = 99  # -ngl 99: every layer's non-expert weights on the device
 DEVICE_MARGIN_BYTES = 1 << 30  # KV cache, compute buffers and the driver's own, per server
-TRACE_ENV = "LLAMA_MOE_ROUTE_TRACE"
+TRACE_ENV = ROUTE_TRACE_ENV
 
 # Prompts of ordinary text: the demo tokenizer splits them roughly into words.
 PROMPTS = (
@@ -343,24 +343,13 @@ def cpu_has_amx() -> bool:
 
 
 def trace_patch_present(binary: Path) -> bool:
-    """Whether `binary` replays route traces: its build-info.json (next to a cached build) lists the
-    patches it was built with; a binary from elsewhere is judged by the patch folder."""
-    patches = [p for p in PATCHES.glob("*.patch") if TRACE_ENV in p.read_text(errors="replace")]
-    try:
-        built_with = json.loads((binary.parent.parent / "build-info.json").read_text())["patches"]
-    except (OSError, ValueError, KeyError):
-        return bool(patches)
-    return any(p.name in built_with for p in patches)
+    """Whether `binary` replays route traces."""
+    return built_with_patch(binary, lambda p: TRACE_ENV in p.read_text(errors="replace"))
 
 
 def cache_patch_present(binary: Path) -> bool:
-    """Whether `binary` has the expert cache: its build-info.json lists the patches it was built with;
-    a binary from elsewhere is judged by the patch folder."""
-    try:
-        built_with = json.loads((binary.parent.parent / "build-info.json").read_text())["patches"]
-    except (OSError, ValueError, KeyError):
-        return (PATCHES / CACHE_PATCH).is_file()
-    return CACHE_PATCH in built_with
+    """Whether `binary` has the expert cache."""
+    return built_with_patch(binary, lambda p: p.name == CACHE_PATCH)
 
 
 def server_plan(

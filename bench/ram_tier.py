@@ -64,6 +64,8 @@ import numpy as np
 
 from moe_l2_domains.known import known_domains
 from moe_l2_gguf.index import ExpertIndex, GGUFIndexError, load_index
+from moe_l2_llama.build import built_with_patch
+from moe_l2_llama.route_trace import ROUTE_TRACE_ENV
 from moe_l2_llama.settings import LlamaSettings
 from moe_l2_ops.llama_service import llama_service_spec
 from moe_l2_ops.supervisor import ServiceSpec, Supervisor, SupervisorError, free_port, http_ok, tcp_open
@@ -71,7 +73,7 @@ from moe_l2_ops.supervisor import ServiceSpec, Supervisor, SupervisorError, free
 REPO = Path(__file__).resolve().parent.parent
 BALLOON = Path(__file__).resolve().parent / "balloon.py"
 MODELS_DIR = Path.home() / ".cache" / "moe-l2" / "models"
-TRACE_ENV = "LLAMA_MOE_ROUTE_TRACE"
+TRACE_ENV = ROUTE_TRACE_ENV
 ESFT_TASKS = ("intent", "law", "summary", "translation")
 ESFT_N_EXPERT = 64
 MIB = 1 << 20
@@ -814,12 +816,7 @@ def esft_npz() -> Path:
 
 
 def trace_patch_present(binary: Path) -> bool:
-    patches = [p for p in (REPO / "services" / "llama" / "patches").glob("*.patch") if TRACE_ENV in p.read_text()]
-    try:
-        built_with = json.loads((binary.parent.parent / "build-info.json").read_text())["patches"]
-    except (OSError, ValueError, KeyError):
-        return bool(patches)
-    return any(p.name in built_with for p in patches)
+    return built_with_patch(binary, lambda p: TRACE_ENV in p.read_text(errors="replace"))
 
 
 def resolve_trace(args: argparse.Namespace, binary: Path, mb: ModelBytes, tmp: Path) -> tuple[Path | None, str]:

@@ -28,6 +28,7 @@ import sys
 import tarfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -103,6 +104,18 @@ def patch_files(patches_dir: Path) -> list[Path]:
     if not patches_dir.is_dir():
         raise BuildError(f"patch folder {patches_dir} does not exist")
     return sorted(patches_dir.glob("*.patch"))
+
+
+def built_with_patch(binary: Path, wanted: Callable[[Path], bool]) -> bool:
+    """Whether `binary` was built with a patch that `wanted` picks from the patch folder: its
+    build-info.json (next to a cached build) lists the patches it was built with; a binary from
+    elsewhere is judged by the patch folder alone."""
+    patches = [p for p in patch_files(default_patches_dir()) if wanted(p)]
+    try:
+        names = json.loads((binary.parent.parent / "build-info.json").read_text())["patches"]
+    except (OSError, ValueError, KeyError):
+        return bool(patches)
+    return any(p.name in names for p in patches)
 
 
 def ggml_patches(patches: list[Path]) -> dict[str, str]:
