@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 from moe_l2_cache.pages import PAGE
@@ -116,11 +117,11 @@ def test_the_service_refuses_a_budget_too_small_in_one_line(model: Path) -> None
     assert "MOE_L2_RAM_BUDGET is 0.06 GiB" in lines[0] and "give at least" in lines[0]
 
 
-def _tier(model: Path, experts_held: int, lock: bool = True) -> RamTier:
+def _tier(model: Path, experts_held: int, lock: bool = True, headroom_experts: int = 2) -> RamTier:
     index = load_index(model)
     non_expert = sum(index.file_sizes) - index.routed_bytes
     per_layer = sum(index.expert_bytes(layer) for layer in index.layers)
-    plan = plan_ram(index, non_expert + experts_held * per_layer, headroom_bytes=2 * per_layer)
+    plan = plan_ram(index, non_expert + experts_held * per_layer, headroom_bytes=headroom_experts * per_layer)
     pool = ExpertPool(index, plan.pool_bytes, lock=lock)
     return RamTier(index, pool, plan, lock=lock)
 
@@ -221,6 +222,32 @@ def test_over_the_budget_new_misses_get_no_grace(model: Path, toucher: Toucher) 
         stats = tier.stats()
         assert stats.max_resident_bytes > stats.budget_bytes
         assert stats.resident_expert_bytes + stats.resident_non_expert_bytes <= stats.budget_bytes
+    finally:
+        tier.close()
+        tier.pool.close()
+
+
+def test_a_burst_of_misses_gets_no_grace_even_within_the_budget(model: Path) -> None:
+    """Grace (one more pass resident, read whole) only while the misses, and as many again arriving before
+    the next pass, fit: a prefill reads every expert of a layer in a burst that outran the passes while
+    they granted grace to whatever was within the budget (docs/ram-tier.md)."""
+    tier = _tier(model, experts_held=24, headroom_experts=8)
+    try:
+        n = len(tier._layout.experts)
+        one = int(tier._layout.expert_bytes.max())
+        held_16 = tier.plan.non_expert_bytes + 16 * one  # the pool's share resident
+
+        def misses(k: int) -> np.ndarray:
+            fresh = np.zeros(n, dtype=bool)
+            fresh[:k] = True
+            return fresh
+
+        # counted as resident (their first pages at least), then read whole, then as many again arriving
+        assert tier._grace(misses(1), held_16 + one).sum() == 1  # 16 + 1 + 1 + 1 <= 24
+        assert tier._grace(misses(2), held_16 + 2 * one).sum() == 2  # 16 + 2 + 2 + 2 = 22
+        # 16 + 3 is within the budget, but not with the rest read and 3 more arriving (25): out at once
+        assert held_16 + 3 * one <= tier.plan.budget_bytes
+        assert tier._grace(misses(3), held_16 + 3 * one).sum() == 0
     finally:
         tier.close()
         tier.pool.close()
