@@ -254,15 +254,21 @@ def drop_from_page_cache(files: tuple[Path, ...]) -> None:
 class Sampler(threading.Thread):
     """Every `period_s`: the model's resident bytes (mincore) and llama's RssFile / RssAnon; maxima kept."""
 
-    def __init__(self, residency: FileResidency, pid: int, period_s: float = 0.1) -> None:
+    def __init__(self, residency: FileResidency, pid: int, budget: int, period_s: float = 0.1) -> None:
         super().__init__(daemon=True)
-        self.residency, self.pid, self.period_s = residency, pid, period_s
+        self.residency, self.pid, self.budget, self.period_s = residency, pid, budget, period_s
         self.stop_event = threading.Event()
+        self.started = time.monotonic()
         self.samples = 0
+        self.over: list[tuple[float, int]] = []  # (seconds since the sampler started, resident bytes) above the budget
         self.max_resident = 0
         self.max_rss_file = 0
         self.max_rss_anon = 0
         self.error: str | None = None
+
+    def start(self) -> None:
+        self.started = time.monotonic()
+        super().start()
 
     def run(self) -> None:
         while not self.stop_event.is_set():
@@ -274,7 +280,10 @@ class Sampler(threading.Thread):
             self.stop_event.wait(self.period_s)
 
     def sample(self) -> None:
-        self.max_resident = max(self.max_resident, self.residency.resident_bytes())
+        resident = self.residency.resident_bytes()
+        self.max_resident = max(self.max_resident, resident)
+        if resident > self.budget:
+            self.over.append((round(time.monotonic() - self.started, 2), resident))
         self.max_rss_file = max(self.max_rss_file, proc_status_kib(self.pid, "RssFile") * 1024)
         self.max_rss_anon = max(self.max_rss_anon, proc_status_kib(self.pid, "RssAnon") * 1024)
         self.samples += 1
@@ -492,6 +501,9 @@ class Sample:
     text: str
     hint_ms: float | None = None
     hint_status: int | None = None
+    sent_s: float = 0.0  # on the sampler's clock: when the request went, when its prefill ended, when it returned
+    prefilled_s: float = 0.0
+    done_s: float = 0.0
 
     @property
     def majflt_per_token(self) -> float:
@@ -518,6 +530,7 @@ class ConfigRun:
     max_rss_file_bytes: int = 0
     max_rss_anon_bytes: int = 0
     residency_samples: int = 0
+    over_budget: list[tuple[float, int]] = field(default_factory=list)  # the samples above the budget: (s, bytes)
     balloon: dict | None = None
     ram_tier: dict | None = None
     cache_stats_problem: str | None = None
@@ -547,7 +560,9 @@ def counters(stack: Stack, block: Path | None) -> tuple[int, int, int | None]:
     )
 
 
-def one_request(client: httpx.Client, stack: Stack, i: int, run: ConfigRun, args: argparse.Namespace) -> Sample:
+def one_request(
+    client: httpx.Client, stack: Stack, i: int, run: ConfigRun, args: argparse.Namespace, origin: float
+) -> Sample:
     domain = domain_of(i, args)
     hint_ms = hint_status = None
     if stack.cache_url and args.hints == "on":
@@ -564,8 +579,10 @@ def one_request(client: httpx.Client, stack: Stack, i: int, run: ConfigRun, args
         "ignore_eos": True,
     }
     before = counters(stack, args.block_stat)
+    sent = time.monotonic() - origin
     resp = client.post(f"{stack.llama_url}/completion", json=body, headers={"X-MoE-Domain": domain})
     after = counters(stack, args.block_stat)
+    done = time.monotonic() - origin
     resp.raise_for_status()
     answer = resp.json()
     t = answer["timings"]
@@ -585,6 +602,9 @@ def one_request(client: httpx.Client, stack: Stack, i: int, run: ConfigRun, args
         text=str(answer.get("content", "")),
         hint_ms=hint_ms,
         hint_status=hint_status,
+        sent_s=round(sent, 2),
+        prefilled_s=round(sent + float(t["prompt_ms"]) / 1000, 2),
+        done_s=round(done, 2),
     )
 
 
@@ -611,7 +631,7 @@ def run_config(
     t0 = time.monotonic()
     stack = start_stack(config, model, binary, budget, args, logs / f"b{pct:g}-r{rnd}-{config}")
     balloon: BalloonProc | None = None
-    sampler = Sampler(residency, stack.llama_pid)
+    sampler = Sampler(residency, stack.llama_pid, budget)
     try:
         run.start_seconds = round(time.monotonic() - t0, 1)
         if not args.no_balloon:
@@ -622,7 +642,7 @@ def run_config(
         sampler.start()
         with httpx.Client(timeout=args.request_timeout) as client:
             for i in range(args.requests):
-                run.samples.append(one_request(client, stack, i, run, args))
+                run.samples.append(one_request(client, stack, i, run, args, sampler.started))
             if stack.cache_url:
                 run.ram_tier, run.cache_stats_problem = cache_stats(client, stack)
     except httpx.HTTPError as exc:
@@ -631,6 +651,7 @@ def run_config(
         sampler.finish()
         run.max_resident_bytes, run.max_rss_file_bytes = sampler.max_resident, sampler.max_rss_file
         run.max_rss_anon_bytes, run.residency_samples = sampler.max_rss_anon, sampler.samples
+        run.over_budget = sampler.over
         stack.supervisor.stop()
         if balloon is not None:
             run.balloon = balloon.stop()
