@@ -108,6 +108,20 @@ def test_budget_below_the_non_expert_tensors_is_refused_with_both_figures(model:
     assert plan.pool_bytes >= index.max_expert_bytes
 
 
+def test_the_default_headroom_holds_a_token_and_a_prefill_layer_of_misses(model: Path) -> None:
+    index = load_index(model)
+    non_expert = sum(index.file_sizes) - index.routed_bytes
+    per_layer = sum(index.expert_bytes(layer) for layer in index.layers)  # one expert of every layer
+    widest = max(index.expert_bytes(layer) for layer in index.layers) * index.n_expert
+    want = index.n_expert_used * per_layer + widest
+    roomy = plan_ram(index, non_expert + 4 * want)
+    assert roomy.headroom_bytes == want
+    # a tight budget: the headroom leaves the pool two thirds of the expert budget
+    tight = plan_ram(index, non_expert + want)
+    assert tight.headroom_bytes == tight.expert_budget_bytes // 3
+    assert tight.pool_bytes >= 2 * tight.expert_budget_bytes // 3
+
+
 def test_the_service_refuses_a_budget_too_small_in_one_line(model: Path) -> None:
     env = {**os.environ, "MOE_L2_MODEL_PATH": str(model), "MOE_L2_RAM_BUDGET": "64MiB"}
     run = subprocess.run([sys.executable, "-m", "moe_l2_cache"], env=env, capture_output=True, text=True, timeout=60)

@@ -14,8 +14,8 @@ budget the cache-manager decides instead:
   dropped from the page cache.
 
 The budget covers the whole file's residency: non-expert bytes + the pool's experts + a headroom
-for the misses llama faults in before they are paged out (one token's routed experts by default, at
-most a quarter of the expert budget). Pages shared by two experts at a slice boundary
+for the misses llama faults in before they are paged out (one token's routed experts and one layer's
+every expert by default, at most a third of the expert budget). Pages shared by two experts at a slice boundary
 are never paged out (at most one page per neighbouring pair of slices).
 
 The file is watched by identity: replaced (a new inode, size or mtime) -> ModelReplaced, and the
@@ -90,15 +90,22 @@ def plan_ram(index: ExpertIndex, budget_bytes: int, headroom_bytes: int | None =
             f"{index.path.name} is {gib(file_bytes)}"
         )
     expert_budget = budget_bytes - non_expert
-    # The headroom is one token's routed experts: misses stay resident for up to two passes (the grace
-    # in _runs_to_move), and a pass over the 9.5 GB ds-v2-lite shape takes ~0.2 s and the next waits as
-    # long, while a token from disk takes over a second: two passes see at most about one token's misses.
-    # 256 MiB (the disk's ~1 GB/s x two 0.1 s intervals) was measured too small: the model then sat at
-    # budget + 0.4 GiB between passes.
     if headroom_bytes is None:
-        headroom_bytes = min(index.n_expert_used * one_per_layer, expert_budget // 4)
+        headroom_bytes = min(default_headroom(index), expert_budget // 3)
     headroom_bytes = max(0, min(headroom_bytes, expert_budget - one_per_layer))
     return RamPlan(budget_bytes, file_bytes, non_expert, expert_bytes, headroom_bytes)
+
+
+def default_headroom(index: ExpertIndex) -> int:
+    """The misses llama may read between two passes: one token's routed experts (decode) plus one layer's
+    every expert (a prompt's prefill routes nearly all of them, read at once by --moe-willneed while the
+    previous layer's still wait for a pass). Measured on the 9.5 GB ds-v2-lite shape at 50%: with one
+    token's routed experts alone (0.71 GiB) the model went 0.03 and 0.12 GiB over the budget in two runs of
+    three, between passes (a full pass takes ~330 ms); 256 MiB (the disk's ~1 GB/s x two 0.1 s
+    intervals) was measured too small: 0.4 GiB over."""
+    one_per_layer = sum(index.expert_bytes(layer) for layer in index.layers)
+    widest_layer = max(index.expert_bytes(layer) * index.n_expert for layer in index.layers)
+    return index.n_expert_used * one_per_layer + widest_layer
 
 
 def _identity(path: Path) -> tuple[int, int, int, int]:

@@ -53,13 +53,14 @@ class CacheSettings(ServiceSettings):
         "experts kept by the pool's policy, every other expert's pages paged out of llama; overrides "
         "MOE_L2_CACHE_POOL_BYTES",
     )
-    # 0.1 s: a sweep of a 10 GB model costs ~2 ms (one mincore over the file plus numpy), and llama faults
-    # in at most what the disk reads in that time before it is paged out again (the headroom).
+    # 0.1 s: a quick pass over the 9.5 GB ds-v2-lite shape costs ~45 ms of CPU (a full one ~330 ms, once a
+    # second), and llama reads in at most what the disk reads in that time before it is paged out again
+    # (the headroom).
     ram_sweep_s: float = Field(default=0.1, gt=0, description="RAM tier: page out the misses this often")
     ram_headroom_bytes: ByteSize | None = Field(
         default=None,
-        description="RAM tier: expert bytes left for misses between sweeps; default one token's routed experts, "
-        "at most a quarter of the expert budget",
+        description="RAM tier: expert bytes left for misses between sweeps; default one token's routed experts "
+        "and one layer's every expert, at most a third of the expert budget",
     )
     hotset_bytes: int | None = Field(
         default=None, ge=0, description="byte budget of a domain's hot set; default: the pool budget"
