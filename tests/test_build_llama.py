@@ -58,6 +58,39 @@ def test_ccache_does_not_change_the_key(tmp_path: Path, monkeypatch: pytest.Monk
     assert build_mod.ccache_env(tmp_path, tmp_path / "k.work") is None
 
 
+def test_the_rpc_build_is_the_cpu_build_with_ggml_rpc_and_its_server(tmp_path: Path) -> None:
+    (tmp_path / "0001-a.patch").write_text("a")
+    patches = build_mod.patch_files(tmp_path)
+    cpu, rpc = build_mod.BuildConfig(), build_mod.BuildConfig(backend="rpc")
+    # its own key, so the CPU build (the service's) and the Vulkan and CUDA ones keep theirs
+    assert rpc.cmake_flags() == [*cpu.cmake_flags(), "-DGGML_RPC=ON"]
+    assert build_mod.build_key(rpc, patches) != build_mod.build_key(cpu, patches)
+    assert not any(
+        "RPC" in f for b in ("cpu", "vulkan", "cuda") for f in build_mod.BuildConfig(backend=b).cmake_flags()
+    )
+    assert rpc.targets() == ["llama-server", "ggml-rpc-server"] and cpu.targets() == ["llama-server"]
+    assert build_mod.rpc_server_binary(tmp_path / "bin" / "llama-server") == tmp_path / "bin" / "ggml-rpc-server"
+
+
+def test_rpc_is_one_of_the_backends_the_cli_builds(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    built: list[build_mod.BuildConfig] = []
+
+    def fake_build(config: build_mod.BuildConfig, **_: object) -> Path:
+        built.append(config)
+        out = tmp_path / "cache" / "bin"
+        out.mkdir(parents=True, exist_ok=True)
+        for target in config.targets():
+            (out / target).write_text(target)
+        return out / "llama-server"
+
+    monkeypatch.setattr(build_mod, "build", fake_build)
+    assert build_mod.main(["--rpc", "--out", str(tmp_path / "out")]) == 0
+    assert [c.backend for c in built] == ["rpc"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["ggml-rpc-server", "llama-server"]
+    with pytest.raises(SystemExit):
+        build_mod.parse_args(["--rpc", "--vulkan"])  # one backend per build
+
+
 @pytest.mark.llama
 def test_second_call_is_a_cache_hit() -> None:
     llama_binary = build_mod.build()  # built now if the suite started without a cached binary

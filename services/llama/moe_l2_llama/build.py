@@ -7,7 +7,9 @@ result is cached under a key made of the source hash, the patch hashes and the b
 second call returns at once.
 
 Backends: the CPU (default), Vulkan (`--vulkan`: on a machine without a GPU, Mesa's llvmpipe is a
-Vulkan device that runs on the CPU, the project's test bed for the device path) and CUDA. When
+Vulkan device that runs on the CPU, the project's test bed for the device path), CUDA, and RPC
+(`--rpc`: the CPU build with ggml's RPC backend, plus `ggml-rpc-server`; a llama-server started with
+`--rpc host:port` treats that server as a device, the test bed where llvmpipe faults). When
 `ccache` is on PATH every compile goes through it, so a patch edit (a new key, a new work tree)
 recompiles only what the edit touched.
 
@@ -47,7 +49,8 @@ LLAMA_CPP_COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
 VENDOR_PREFIX = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
 DEFAULT_INDEX = "https://pypi.org/simple"
 CUDA_ARCHITECTURES = "61;75;86;89;90;120"
-BACKENDS = ("cpu", "vulkan", "cuda")
+BACKENDS = ("cpu", "vulkan", "cuda", "rpc")
+RPC_SERVER = "ggml-rpc-server"
 CCACHE_MAX_SIZE = "5G"
 
 # Offline: no web UI download, no TLS, nothing but the server.
@@ -83,8 +86,16 @@ class BuildConfig:
             flags += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={self.cuda_architectures}"]
             # libcuda.so is only a stub in the devel image; the driver provides it at run time.
             flags.append("-DCMAKE_EXE_LINKER_FLAGS=-Wl,--allow-shlib-undefined")
+        if self.backend == "rpc":
+            # ggml's RPC client in llama-server (GGML_USE_RPC, a public define of ggml) and the target
+            # ggml-rpc-server; the server side runs the CPU backend, the one a CPU build already has
+            flags.append("-DGGML_RPC=ON")
         flags += list(self.extra_flags)
         return flags
+
+    def targets(self) -> list[str]:
+        """What is built and kept next to each other in bin/: the server, and for RPC its device."""
+        return ["llama-server", RPC_SERVER] if self.backend == "rpc" else ["llama-server"]
 
 
 def default_cache_dir() -> Path:
@@ -456,16 +467,17 @@ def compile_server(
     if generator:
         configure[1:1] = ["-G", generator]
     run_logged(configure, log_path, "configuring llama.cpp", ccache)
+    targets = config.targets()
     run_logged(
-        ["cmake", "--build", str(build_dir), "--target", "llama-server", "-j", str(jobs)],
+        ["cmake", "--build", str(build_dir), "--target", *targets, "-j", str(jobs)],
         log_path,
-        "building llama-server",
+        f"building {' and '.join(targets)}",
         ccache,
     )
-    binary = build_dir / "bin" / "llama-server"
-    if not binary.is_file():
-        raise BuildError(f"the build finished but {binary} is missing; see {log_path}")
-    return binary
+    for target in targets:
+        if not (build_dir / "bin" / target).is_file():
+            raise BuildError(f"the build finished but {build_dir / 'bin' / target} is missing; see {log_path}")
+    return build_dir / "bin" / "llama-server"
 
 
 def cuda_flags(cache: Path) -> list[str]:
@@ -479,6 +491,15 @@ def cuda_flags(cache: Path) -> list[str]:
 
 def cached_binary(cache: Path, key: str) -> Path:
     return cache / "llama" / key / "bin" / "llama-server"
+
+
+def rpc_server_binary(binary: Path) -> Path:
+    """The ggml-rpc-server an RPC build keeps next to its llama-server."""
+    return binary.parent / RPC_SERVER
+
+
+def _complete(binary: Path, config: BuildConfig) -> bool:
+    return all((binary.parent / target).is_file() for target in config.targets())
 
 
 @dataclass(frozen=True)
@@ -525,12 +546,12 @@ def build(
     patches = patch_files(patches_dir or default_patches_dir())
     key = build_key(config, patches)
     binary = cached_binary(cache, key)
-    if binary.is_file() and not force:
+    if _complete(binary, config) and not force:
         return binary
 
     check_toolchain(config)  # a missing tool or package is one line before anything is written
     with file_lock(cache / "llama" / f"{key}.lock"):
-        if binary.is_file() and not force:
+        if _complete(binary, config) and not force:
             return binary
         toolchain_flags = cuda_flags(cache) if config.backend == "cuda" else []
         work = cache / "llama" / f"{key}.work"
@@ -548,8 +569,10 @@ def build(
 
         out_dir = binary.parent
         out_dir.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(built, out_dir / "llama-server.tmp")
-        (out_dir / "llama-server.tmp").replace(binary)
+        # llama-server last: its presence is what a second call checks first
+        for target in reversed(config.targets()):
+            shutil.copy2(built.parent / target, out_dir / f"{target}.tmp")
+            (out_dir / f"{target}.tmp").replace(out_dir / target)
         info = {
             "key": key,
             "backend": config.backend,
@@ -558,6 +581,7 @@ def build(
             "patches": {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in patches},
             "ggml_patches": ggml_patches(patches),
             "cmake_flags": config.cmake_flags(),
+            "targets": config.targets(),
             "machine": platform.machine(),
             "ccache": ccache is not None,
             "compile_seconds": round(elapsed, 1),
@@ -583,6 +607,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="build the Vulkan backend (needs glslc, libvulkan-dev, spirv-headers; "
         "mesa-vulkan-drivers gives a software device on any machine)",
+    )
+    backend.add_argument(
+        "--rpc",
+        action="store_true",
+        help=f"build the CPU backend with ggml's RPC backend, and {RPC_SERVER} next to llama-server: "
+        f"`{RPC_SERVER} -p PORT` is a device for `llama-server --rpc 127.0.0.1:PORT` (the test bed)",
     )
     parser.add_argument(
         "--arch",
@@ -620,14 +650,15 @@ def main(argv: list[str] | None = None) -> int:
         # Checked against this nvcc before anything is fetched; `native` becomes this GPU's number.
         arch = cuda_toolchain.resolve_arch(args.cuda_architectures) if args.cuda else args.cuda_architectures
         config = BuildConfig(
-            backend="cuda" if args.cuda else "vulkan" if args.vulkan else "cpu",
+            backend="cuda" if args.cuda else "vulkan" if args.vulkan else "rpc" if args.rpc else "cpu",
             cuda_architectures=arch,
             native=not (args.portable or args.cuda),
         )
         binary = build(config, cache=args.cache_dir, patches_dir=args.patches_dir, jobs=args.jobs, force=args.force)
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(binary, args.out / "llama-server")
+            for target in config.targets():
+                shutil.copy2(binary.parent / target, args.out / target)
             binary = args.out / "llama-server"
     except (BuildError, cuda_toolchain.ToolchainError) as exc:
         print(f"error: {exc}", file=sys.stderr)
