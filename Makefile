@@ -59,9 +59,10 @@ check-cuda: $(STAMP)
 	$(MOE) build-llama --cuda --arch $(ARCH)
 	MOE_L2_TEST_CUDA_BUILD=1 MOE_L2_TEST_CUDA_ARCH='$(ARCH)' $(PY) -m pytest -q -rs tests/test_cuda_toolchain.py
 
-# No $(STAMP): the GPU machine has no package index; gpu_check.sh sets Python up from .bench-gpu/.
+# No $(STAMP): the GPU machine has no package index; gpu_check.sh sets Python up from .bench-gpu/
+# (bench/gpu_setup.py, any python3 >= 3.11). BINARY=path[.xz]: a llama-server built elsewhere.
 bench-gpu:
-	bench/gpu_check.sh $(if $(LLVMPIPE),--llvmpipe) $(GPU_CHECK_ARGS)
+	bench/gpu_check.sh $(if $(LLVMPIPE),--llvmpipe) $(if $(BINARY),--binary $(BINARY)) $(GPU_CHECK_ARGS)
 
 run: $(STAMP)
 	$(MOE) up $(if $(MODEL),--model $(MODEL))

@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # `make bench-gpu`: the expert-offload benchmark on a GPU machine, in one prepared run.
 #
-# From a fresh clone: the Python packages the benchmark needs, the CUDA llama-server for this GPU's
-# architecture (nvidia-smi's compute_cap), the full ds-v2-lite shape, the ESFT route trace when the
-# trace patch exists, then bench/expert_offload.py and its table. Made for a machine lent once for
-# a few minutes (one H200, 16 cores, maybe no network): every step is timed and has a hard timeout,
-# and whatever was done comes back under $OUT (else bench/results/gpu_check/): the log, the steps'
-# times (steps.tsv), the benchmark's JSON, the server logs of a failed start.
+# From a fresh clone, with no venv: the Python packages (bench/gpu_setup.py: the package roots of
+# pyproject.toml, the wheels of .bench-gpu/), the CUDA llama-server (carried, --binary FILE[.xz], or
+# built for nvidia-smi's compute_cap), the full ds-v2-lite shape, the machine's constants
+# (bench/gpu_facts.py), then bench/expert_offload.py at 50%, 25% and 12.5% of the routed experts'
+# bytes, with the stock rows b, c, d with and without --load-mode none (pinned), the project's default
+# e, e pinned/mmap forced, e with lru, -np 4 concurrent requests (50%), the NVML gauges against
+# nvidia-smi (50%), and greedy identity (bench/gpu_identity.py). Made for a machine lent once for a
+# few minutes (one H200, 16 cores, no network): every step is timed and has a hard timeout inside
+# --budget, and whatever was done comes back under $OUT (else bench/results/gpu_check/): at most 8
+# files, the log, steps.tsv, constants.json, offload_50/25/12.json, identity.json.
 #
 #   bench/gpu_check.sh                      the GPU check (needs nvidia-smi)
 #   bench/gpu_check.sh --llvmpipe           the same steps on Mesa's software Vulkan device, with a
@@ -14,51 +18,72 @@
 #   bench/gpu_check.sh --prepare            here, with network: fill .bench-gpu/ with what an
 #                                           offline GPU machine lacks (wheels, the ESFT routing npz,
 #                                           the trimmed llama.cpp source); carry .bench-gpu there
-# Options: --binary PATH (skip the build), --layers N (reduce the model), --budget SECONDS (whole
-# check, default 570), --cache-bytes SIZE (default 50%), --runs N, --tokens N.
+#   bench/gpu_check.sh --setup-only         the Python setup and its import check, then stop
+# Options: --binary PATH (skip the build; PATH may end in .xz: unpacked into the work folder),
+# --binary-xz FILE (the same), --layers N (reduce the model), --budget SECONDS (whole check, default
+# 495), --budgets "50% 25% 12.5%", --runs N, --tokens N, --no-identity.
+# Environment: GPU_CHECK_PYTHON (the interpreter; default .venv's, else python3), GPU_CHECK_WORK
+# (model, unpacked binary, server logs; default $TMPDIR/moe-l2-gpu-check), GPU_CHECK_BENCH_ARGS
+# (more arguments for every expert_offload run); for --prepare: PYTHON_VERSIONS ("3.12"), BASE=1
+# (also numpy, httpx, pyyaml, tqdm: what the GPU machine has but a bare rehearsal interpreter lacks).
 set -uo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO" || exit 1
-MODE=gpu BINARY="" LAYERS="" BUDGET=570 CACHE_BYTES="50%" RUNS="" TOKENS=""
+MODE=gpu BINARY="" LAYERS="" BUDGET=495 BUDGETS="50% 25% 12.5%" RUNS="" TOKENS="" IDENTITY=1 SETUP_ONLY=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --llvmpipe) MODE=llvmpipe ;;
     --prepare) MODE=prepare ;;
-    --binary) BINARY=$2; shift ;;
+    --setup-only) SETUP_ONLY=1 ;;
+    --binary|--binary-xz) BINARY=$2; shift ;;
     --layers) LAYERS=$2; shift ;;
     --budget) BUDGET=$2; shift ;;
-    --cache-bytes) CACHE_BYTES=$2; shift ;;
+    --budgets|--cache-bytes) BUDGETS=$2; shift ;;
     --runs) RUNS=$2; shift ;;
     --tokens) TOKENS=$2; shift ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    --no-identity) IDENTITY=0 ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     *) echo "error: unknown option $1 (see $0 --help)" >&2; exit 2 ;;
   esac
   shift
 done
 
-PREP="$REPO/.bench-gpu"  # what --prepare collects for an offline machine (git-ignored via .git/info/exclude)
+# what --prepare collects for an offline machine (git-ignored via .git/info/exclude); GPU_CHECK_PREP: elsewhere
+PREP=${GPU_CHECK_PREP:-$REPO/.bench-gpu}
 SOURCE_NAME=llama-cpp-source.tar.xz
 
 if [ "$MODE" = prepare ]; then
-  # Runs here, where the registries answer. The GPU machine's Python is 3.12 with numpy, httpx,
-  # tqdm and pyyaml; the rest of what the benchmark imports comes as wheels.
+  # Runs here, where the registries answer. The GPU machine's Python is 3.12 with numpy, httpx, tqdm,
+  # pyyaml, torch and nvidia-ml-py; the rest of what the check imports comes as wheels, at the
+  # versions this project's venv locks.
   set -e
   mkdir -p "$PREP/whl"
-  grep -qx '/.bench-gpu/' .git/info/exclude 2>/dev/null || echo '/.bench-gpu/' >>.git/info/exclude
+  exclude="$(git rev-parse --git-path info/exclude)"
+  mkdir -p "$(dirname "$exclude")"
+  grep -qx '/.bench-gpu/' "$exclude" 2>/dev/null || echo '/.bench-gpu/' >>"$exclude"
   PY=${PYTHON:-.venv/bin/python}
-  for pkg in pydantic pydantic-core pydantic-settings python-dotenv annotated-types typing-inspection \
-             typing-extensions gguf; do
-    version=$("$PY" -c "import importlib.metadata as m; print(m.version('$pkg'))")
-    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-      -d "$PREP/whl" "$pkg==$version"
+  pkgs="pydantic pydantic-core pydantic-settings python-dotenv annotated-types typing-inspection typing-extensions
+        gguf prometheus-client nvidia-ml-py"
+  if [ "${BASE:-0}" = 1 ]; then
+    pkgs="$pkgs numpy pyyaml tqdm httpx httpcore h11 anyio sniffio idna certifi"
+  fi
+  for pyv in ${PYTHON_VERSIONS:-3.12}; do
+    for pkg in $pkgs; do
+      version=$("$PY" -c "import importlib.metadata as m; print(m.version('$pkg'))")
+      "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$pyv" --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d "$PREP/whl" "$pkg==$version"
+    done
   done
   esft="${MOE_L2_ROUTING_DATA:-$REPO/../shared/data/routing}/deepseek-ai__ESFT/esft_routing_ids_DERIVED.npz"
   [ -f "$esft" ] && cp "$esft" "$PREP/"
   # The sdist (73 MiB) is over the 64 MiB a device call carries: the trimmed source (8 MiB), which
-  # build.py verifies file by file against its pinned manifest (see docs/test-bed.md)
-  "$PY" -m moe_l2_llama.build --export-source "$PREP/$SOURCE_NAME"
+  # build.py verifies file by file against its pinned manifest (see docs/test-bed.md). Not needed when
+  # a binary is carried (NO_SOURCE=1 leaves it out).
+  if [ "${NO_SOURCE:-0}" != 1 ] && [ ! -f "$PREP/$SOURCE_NAME" ]; then
+    "$PY" -m moe_l2_llama.build --export-source "$PREP/$SOURCE_NAME"
+  fi
   du -sh "$PREP"/* ; du -sh "$PREP"; exit 0
 fi
 
@@ -81,7 +106,7 @@ run_step() {
   local name=$1 cap=$2; shift 2
   local limit; limit=$(left)
   [ "$cap" -lt "$limit" ] && limit=$cap
-  if [ "$limit" -lt 5 ]; then
+  if [ "$limit" -lt 10 ]; then
     say "$name: skipped, the budget of ${BUDGET}s is spent"
     printf '%s\t0\tskipped\n' "$name" >>"$STEPS"
     return 124
@@ -95,37 +120,69 @@ run_step() {
   return "$rc"
 }
 
+# A benchmark killed past its timeout's grace leaves its servers (own sessions) behind, holding
+# device memory and cores the next step needs: end those, found by this run's model path.
+reap() {
+  local pids
+  pids=$(pgrep -f -- "--model $MODEL" || true)
+  [ -z "$pids" ] && return 0
+  say "ending servers left behind: $(echo "$pids" | tr '\n' ' ')"
+  for pid in $pids; do kill "$pid" 2>/dev/null; done
+  sleep 3
+  for pid in $pids; do kill -9 "$pid" 2>/dev/null; done
+  return 0
+}
+
 finish() {
   say "done in $(($(date +%s) - START))s; results in $OUT_DIR"
   column -t -s $'\t' "$STEPS" | tee -a "$LOG"
+  # the server logs stay in $WORK (too many files to come back): their last lines here
+  for f in "$WORK"/logs/*/*.log; do
+    [ -f "$f" ] || continue
+    case "$f" in *-access.log) continue ;; esac
+    { echo "== $f (last 12 lines)"; tail -n 12 "$f"; } >>"$LOG"
+  done
   exit "${1:-0}"
 }
 
 # -- 1. Python: the project's venv if there is one, else the machine's python3 + what it lacks ----
 setup_python() {
-  if [ -x "$REPO/.venv/bin/python" ]; then PY="$REPO/.venv/bin/python"; return 0; fi
-  PY=$(command -v python3)
-  export PYTHONPATH="$REPO/shared:$REPO/services/llama${PYTHONPATH:+:$PYTHONPATH}"
-  if "$PY" -c 'import pydantic_settings, gguf, httpx, numpy, yaml, tqdm' 2>/dev/null; then return 0; fi
-  local site="$WORK/site"
-  if [ -d "$PREP/whl" ]; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" "$PREP"/whl/*.whl || return 1
-  else
-    "$PY" -m pip install -q --target "$site" pydantic pydantic-settings gguf || return 1
+  if [ -n "${GPU_CHECK_PYTHON:-}" ]; then PY=$GPU_CHECK_PYTHON
+  elif [ -x "$REPO/.venv/bin/python" ]; then PY="$REPO/.venv/bin/python"
+  else PY=$(command -v python3); fi
+  # the package roots from the one list there is (pyproject.toml); a hand-written copy here missed two
+  local roots root pp=""
+  roots=$("$PY" bench/gpu_setup.py roots) || return 1
+  for root in $roots; do pp="$pp${pp:+:}$REPO/$root"; done
+  export PYTHONPATH="$pp${PYTHONPATH:+:$PYTHONPATH}"
+  if "$PY" bench/gpu_setup.py check; then return 0; fi
+  local site="$WORK/site" wheels=("$PREP"/whl/*.whl)
+  if [ ! -e "${wheels[0]}" ]; then
+    echo "error: no wheels in $PREP/whl (bench/gpu_check.sh --prepare where a registry answers)"; return 1
   fi
+  rm -rf "$site"
+  "$PY" bench/gpu_setup.py install "$site" "${wheels[@]}" || return 1
   export PYTHONPATH="$PYTHONPATH:$site"
-  "$PY" -c 'import pydantic_settings, gguf, httpx, numpy, yaml, tqdm'
+  "$PY" bench/gpu_setup.py check
 }
 say "mode $MODE, budget ${BUDGET}s, out $OUT_DIR, work $WORK"
-setup_python >>"$LOG" 2>&1
+T0=$SECONDS
+setup_python >"$WORK/setup.out" 2>&1  # not through a pipe: its exports must reach this shell
 rc=$?
-printf 'python\t%s\t%s\n' $(($(date +%s) - START)) "$rc" >>"$STEPS"
-if ! "$PY" -c 'import moe_l2_llama.build, moe_l2_gguf.index' 2>>"$LOG"; then
+tee -a "$LOG" <"$WORK/setup.out"
+printf 'python\t%s\t%s\n' $((SECONDS - T0)) "$rc" >>"$STEPS"
+if [ "$rc" -ne 0 ]; then
   say "error: the Python packages are missing and could not be installed (see $LOG)"; finish 1
 fi
-say "python: $PY"
+say "python: $PY; PYTHONPATH=$PYTHONPATH"
+[ "$SETUP_ONLY" = 1 ] && finish 0
 
-# -- 2. the model, written in the background while the server compiles (one core against many) ----
+case "$MODE" in
+  gpu) BACKEND=cuda ;;
+  *) BACKEND=vulkan ;;
+esac
+
+# -- 2. the model, written in the background while the binary is unpacked or built ----------------
 if [ "$MODE" = llvmpipe ] && [ -z "$LAYERS" ]; then LAYERS=4; fi
 MODEL="$WORK/ds-v2-lite${LAYERS:+-$LAYERS}.gguf"
 SHAPE_ARGS=(--shape ds-v2-lite)
@@ -134,12 +191,24 @@ MODEL_PID=""
 if [ -f "$MODEL" ]; then
   say "model: $MODEL (already there)"
 else
-  run_step model 300 "$PY" -m moe_l2_ops.cli make-demo-model "${SHAPE_ARGS[@]}" "$MODEL" &
+  # 9.5 GB: 36 s on the 2-core development machine (page-cache writes, one core)
+  run_step model 150 "$PY" -m moe_l2_ops.cli make-demo-model "${SHAPE_ARGS[@]}" "$MODEL" &
   MODEL_PID=$!
 fi
 
 # -- 3. the llama-server for this device ----------------------------------------------------------
 if [ -n "$BINARY" ]; then
+  if [[ "$BINARY" == *.xz ]]; then
+    # a binary carried compressed (a device call carries 64 MiB): unpacked with Python's lzma, which
+    # every interpreter has, unlike the xz tool
+    mkdir -p "$WORK/bin"
+    run_step unpack 90 "$PY" -c 'import lzma, shutil, sys, os
+with lzma.open(sys.argv[1]) as src, open(sys.argv[2] + ".tmp", "wb") as dst:
+    shutil.copyfileobj(src, dst, 1 << 22)
+os.chmod(sys.argv[2] + ".tmp", 0o755)
+os.replace(sys.argv[2] + ".tmp", sys.argv[2])' "$BINARY" "$WORK/bin/llama-server" || finish 1
+    BINARY="$WORK/bin/llama-server"
+  fi
   [ -x "$BINARY" ] || { say "error: --binary $BINARY is not an executable file"; finish 2; }
 else
   if [ -z "${MOE_L2_LLAMA_SDIST:-}${MOE_L2_LLAMA_SOURCE:-}" ] && [ -f "$PREP/$SOURCE_NAME" ]; then
@@ -148,9 +217,7 @@ else
   if [ "$MODE" = gpu ]; then
     command -v nvidia-smi >/dev/null || { say "error: no nvidia-smi: not a GPU machine (use --llvmpipe)"; finish 2; }
     ARCH=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d '. ')
-    say "GPU: $(nvidia-smi --query-gpu=name,memory.total,memory.free --format=csv,noheader | head -1), arch $ARCH"
     BUILD_ARGS=(--cuda --arch "$ARCH")
-    "$PY" -m moe_l2_llama.build --help 2>/dev/null | grep -q -- '--arch' || BUILD_ARGS=(--cuda --cuda-architectures "$ARCH")
   else
     BUILD_ARGS=(--vulkan)
   fi
@@ -159,28 +226,106 @@ else
   [ -x "$BINARY" ] || { say "error: the build printed no binary path"; finish 1; }
 fi
 say "llama-server: $BINARY"
+
+# The CUDA binary needs libcublas.so.13 and libcublasLt.so.13 (built against the PyPI wheel, whose
+# folder on the build machine is its RUNPATH) and libcudart.so.13 (the toolkit's). Where the loader
+# cannot find one, the folders of the nvidia-* wheels on Python's path and of the CUDA toolkit go
+# into LD_LIBRARY_PATH, each only if it holds a missing library.
+fix_libraries() {
+  command -v ldd >/dev/null || return 0
+  local missing lib dir found
+  missing=$(ldd "$BINARY" 2>/dev/null | awk '/not found/ {print $1}' | sort -u)
+  [ -z "$missing" ] && { say "libraries: ldd finds every one"; return 0; }
+  say "libraries not found: $(echo "$missing" | tr '\n' ' ')"
+  local dirs
+  dirs=$({
+    for py in "$PY" python3; do
+      "$py" -c 'import os, sys
+for p in sys.path:
+    for sub in ("nvidia/cublas/lib", "nvidia/cu13/lib", "nvidia/cuda_runtime/lib"):
+        if os.path.isdir(os.path.join(p, sub)): print(os.path.join(p, sub))' 2>/dev/null
+    done
+    ls -d /usr/local/cuda/lib64 /usr/local/cuda/targets/*/lib /usr/local/cuda-*/lib64 \
+      /usr/local/cuda-*/targets/*/lib 2>/dev/null
+  } | awk '!seen[$0]++')
+  for lib in $missing; do
+    found=""
+    for dir in $dirs; do
+      if [ -e "$dir/$lib" ]; then found=$dir; break; fi
+    done
+    if [ -n "$found" ]; then
+      case ":${LD_LIBRARY_PATH:-}:" in *":$found:"*) ;; *) export LD_LIBRARY_PATH="$found${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ;; esac
+    fi
+  done
+  missing=$(ldd "$BINARY" 2>/dev/null | awk '/not found/ {print $1}' | tr '\n' ' ')
+  say "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}; still not found: ${missing:-none}"
+}
+fix_libraries
+run_step version 60 "$BINARY" --version || { say "error: $BINARY does not run (see $LOG)"; wait; finish 1; }
+
 if [ -n "$MODEL_PID" ]; then
   wait "$MODEL_PID" || { say "error: the model was not written (see $LOG)"; finish 1; }
 fi
 
-# -- 4. the benchmark (it makes the ESFT trace itself when the trace patch exists) -----------------
+# -- 4. the machine's constants, before any server holds the device ---------------------------------
+run_step constants 60 "$PY" bench/gpu_facts.py constants --out "$OUT_DIR/constants.json" >/dev/null
+
+# -- 5. the benchmark at each budget, then greedy identity ------------------------------------------
 if [ -z "${MOE_L2_ROUTING_DATA:-}" ] && [ -f "$PREP/esft_routing_ids_DERIVED.npz" ]; then
   mkdir -p "$WORK/routing/deepseek-ai__ESFT"
   ln -sf "$PREP/esft_routing_ids_DERIVED.npz" "$WORK/routing/deepseek-ai__ESFT/"
   export MOE_L2_ROUTING_DATA="$WORK/routing"
 fi
-BENCH_ARGS=(--binary "$BINARY" --model "$MODEL" --cache-bytes "$CACHE_BYTES" --out "$OUT_DIR/expert_offload.json")
+COMMON=(--binary "$BINARY" --model "$MODEL" --backend "$BACKEND" --constants "$OUT_DIR/constants.json")
 if [ "$MODE" = gpu ]; then
-  BENCH_ARGS+=(--backend cuda --runs "${RUNS:-5}" --tokens "${TOKENS:-64}" --start-timeout 240)
+  # 3 runs x 64 tokens, as p50/p25/p12 of 2026-12-04 (44-90 s a run there); all servers load at once
+  COMMON+=(--runs "${RUNS:-3}" --tokens "${TOKENS:-64}" --start-timeout 150 --request-timeout 120 --start-jobs 16)
+  CONCURRENT=4
+  ID_ARGS=(--prompts 6 --tokens 48 --slots "7,32")
+  # caps per step (s): 50% has 11 rows and 2 -np 4 servers, 25% and 12.5% 9 and 8 rows; identity 7
+  CAPS=(170 115 100) ID_CAP=100
 else
-  # llvmpipe's device kernels run ~0.5 s a token and the trace splits every MoE layer: one short
-  # run of each config keeps the rehearsal inside its budget (2 runs x 8 tokens did not, 2026-12-02)
-  BENCH_ARGS+=(--backend vulkan --runs "${RUNS:-1}" --tokens "${TOKENS:-4}" --prompt-words 2)
+  # llvmpipe's device kernels run ~0.5 s a token: one short run of each config. Its MUL_MAT_ID
+  # faults on batches of 3-8 rows (docs/test-bed.md): 2-word prompts (9 tokens), -np 2, no a.
+  # llvmpipe's "device" memory is host memory: a 256 MiB margin a server, not a GPU's 1 GiB, lets the
+  # 13 servers of the 50% run pass the fit check on a 23 GiB machine
+  COMMON+=(--runs "${RUNS:-1}" --tokens "${TOKENS:-4}" --prompt-words 2 --start-jobs 2 --device-margin-mib 256)
+  CONCURRENT=2
+  ID_ARGS=(--prompts 2 --tokens 4 --prompt-words 2 --slots "7,32")
+  CAPS=(600 600 600) ID_CAP=600
 fi
-# GPU_CHECK_BENCH_ARGS: more arguments for the benchmark (e.g. "--prompt-words 10 --configs b,c,d,e")
 read -r -a EXTRA <<<"${GPU_CHECK_BENCH_ARGS:-}"
-BENCH_ARGS+=("${EXTRA[@]}")
-# whatever is left, less a few seconds to write the results; SIGTERM makes it report the runs done
-run_step bench $(($(left) - 10)) "$PY" bench/expert_offload.py "${BENCH_ARGS[@]}"
-rc=$?
-finish "$rc"
+STOCK="b,bp,c,cp,dp"
+i=0
+run_budget() {  # run_budget SHARE CAP: one expert_offload run; the first budget has the most rows
+  local share=$1 cap=$2 name configs more=()
+  name=$(echo "$share" | tr -d '%' | cut -d. -f1)
+  if [ "$i" -eq 0 ]; then
+    configs="a,$STOCK,d,e,ep,em,el"
+    [ "$MODE" = llvmpipe ] && configs="$STOCK,e,ep,em,el"  # a: a 33-token prompt took 15 min there
+    more=(--concurrent "$CONCURRENT" --concurrent-configs "cp,e" --gauges)
+  else
+    configs="$STOCK,e,ep,em,el"
+  fi
+  run_step "bench-$name" "$cap" "$PY" bench/expert_offload.py "${COMMON[@]}" --cache-bytes "$share" \
+    --configs "$configs" "${more[@]}" --log-dir "$WORK/logs/offload_$name" \
+    --out "$OUT_DIR/offload_$name.json" "${EXTRA[@]}"
+  reap
+}
+read -r -a SHARES <<<"$BUDGETS"
+for share in "${SHARES[@]}"; do
+  run_budget "$share" "${CAPS[$i]:-100}"
+  i=$((i + 1))
+  if [ "$i" -eq 2 ] && [ "$IDENTITY" = 1 ]; then  # identity after the two budgets the targets name
+    run_step identity "$ID_CAP" "$PY" bench/gpu_identity.py --binary "$BINARY" --model "$MODEL" \
+      --backend "$BACKEND" "${ID_ARGS[@]}" --log-dir "$WORK/logs/identity" --out "$OUT_DIR/identity.json"
+    reap
+  fi
+done
+if [ "$i" -lt 2 ] && [ "$IDENTITY" = 1 ]; then
+  run_step identity "$ID_CAP" "$PY" bench/gpu_identity.py --binary "$BINARY" --model "$MODEL" \
+    --backend "$BACKEND" "${ID_ARGS[@]}" --log-dir "$WORK/logs/identity" --out "$OUT_DIR/identity.json"
+  reap
+fi
+FAILED=$(awk -F'\t' 'NR > 1 && $3 != 0 {n++} END {print n + 0}' "$STEPS")
+finish $((FAILED > 0))
