@@ -49,8 +49,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -99,19 +101,42 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 @dataclass(frozen=True)
 class Config:
+    """A placement. `base` (a-e) decides the experts' place; a variant of a base adds llama.cpp's
+    load mode (`none`: no mmap, host-resident weights in the device's pinned host buffer; `mmap`), or
+    another expert-cache policy."""
+
     key: str
     name: str
     what: str
+    base: str = ""
+    load_mode: str | None = None  # --load-mode; None: the server's default (the engine chooses)
+    policy: str | None = None  # --moe-cache-policy (e only); None: the project's default
+
+    def __post_init__(self) -> None:
+        if not self.base:
+            object.__setattr__(self, "base", self.key)
+
+    @property
+    def stock(self) -> bool:
+        """What a llama.cpp user can configure without this project (b, c, d and their load modes)."""
+        return self.base in ("b", "c", "d")
 
 
+PINNED = "--load-mode none: no mmap, llama.cpp keeps host-resident weights in the pinned host buffer"
 CONFIGS: dict[str, Config] = {
     c.key: c
     for c in (
         Config("a", "all-device", "-ngl 99: everything on the device"),
         Config("b", "cpu-moe", "-ngl 99 --cpu-moe: experts computed on the CPU"),
+        Config("bp", "cpu-moe pinned", f"b with {PINNED}", "b", "none"),
         Config("c", "n-cpu-moe", "-ngl 99 --n-cpu-moe N: the last layers' experts on the device"),
+        Config("cp", "n-cpu-moe pinned", f"c with {PINNED}", "c", "none"),
         Config("d", "copy-used", "-ngl 99 --cpu-moe, GGML_OP_OFFLOAD_MIN_BATCH=1: used experts copied each step"),
+        Config("dp", "copy-used pinned", f"d with {PINNED}", "d", "none"),
         Config("e", "expert-cache", "-ngl 99 --cpu-moe --moe-cache-bytes (c's expert bytes): misses copied"),
+        Config("ep", "expert-cache pinned", f"e with {PINNED} (forced)", "e", "none"),
+        Config("em", "expert-cache mmap", "e with --load-mode mmap (forced): misses from the mapping", "e", "mmap"),
+        Config("el", "expert-cache lru", "e with --moe-cache-policy lru", "e", None, "lru"),
     )
 }
 NOT_BUILT = "not in this binary: its build has no expert cache (patch 0010)"
@@ -127,6 +152,21 @@ def parse_configs(text: str) -> list[Config]:
     if "b" not in keys:
         raise BenchError("--configs must include b: the ratios are against stock --cpu-moe")
     return [CONFIGS[k] for k in dict.fromkeys(keys)]
+
+
+def parse_concurrent(text: str, n: int) -> list[Config]:
+    """The configs measured again with `-np n` concurrent requests, each on a server of its own
+    (keyed `<key>-np<n>`), so that the single-request rows keep `-np 1`."""
+    keys = [k.strip() for k in text.split(",") if k.strip()]
+    if n < 2 or not keys:
+        return []
+    unknown = [k for k in keys if k not in CONFIGS]
+    if unknown:
+        raise BenchError(f"--concurrent-configs: unknown config {', '.join(unknown)}")
+    return [
+        Config(f"{c.key}-np{n}", f"{c.name} -np {n}", f"{c.what}; -np {n}", c.base, c.load_mode, c.policy)
+        for c in (CONFIGS[k] for k in dict.fromkeys(keys))
+    ]
 
 
 # -- the model's expert bytes and the choice of N --------------------------------------------------
@@ -185,9 +225,9 @@ def choose_n_cpu_moe(layout: ExpertLayout, cache_bytes: int) -> tuple[int, int]:
 
 def host_expert_layers(config: Config, layout: ExpertLayout, n_cpu_moe: int) -> list[int]:
     """The MoE layers whose experts live in host memory under `config`."""
-    if config.key in ("b", "d", "e"):
+    if config.base in ("b", "d", "e"):
         return sorted(layout.expert_bytes)
-    if config.key == "c":
+    if config.base == "c":
         return [layer for layer in sorted(layout.expert_bytes) if layer < n_cpu_moe]
     return []
 
@@ -274,14 +314,16 @@ def device_free_bytes(backend: str) -> int | None:
     return None
 
 
-def device_need(config: Config, layout: ExpertLayout, device_expert_bytes: int) -> int:
+def device_need(
+    config: Config, layout: ExpertLayout, device_expert_bytes: int, margin: int = DEVICE_MARGIN_BYTES
+) -> int:
     """A server's device memory, estimated: the non-expert weights, its experts, a margin."""
-    need = layout.other_bytes + DEVICE_MARGIN_BYTES
-    if config.key == "a":
+    need = layout.other_bytes + margin
+    if config.base == "a":
         need += layout.routed_bytes
-    elif config.key in ("c", "e"):
+    elif config.base in ("c", "e"):
         need += device_expert_bytes
-    if config.key in ("d", "e"):
+    if config.base in ("d", "e"):
         # the scheduler's device copy of one layer's expert tensors (whole tensors, used slices filled)
         need += max(layout.layer_bytes(layer) for layer in layout.expert_bytes)
     return need
@@ -333,6 +375,9 @@ class Server:
     decode_cache: list[dict[str, int]] = field(default_factory=list)
     final_cache: dict[str, int] = field(default_factory=dict)  # e only: every counter at the end
     sent: int = 0  # requests sent (the trace sequence the next one replays)
+    start_seconds: float | None = None
+    concurrent: dict | None = None  # -np N servers only: concurrent_run's figures
+    lock: threading.Lock = field(default_factory=threading.Lock)  # next_domain from several threads
 
 
 def cpu_has_amx() -> bool:
@@ -368,16 +413,25 @@ def server_plan(
         env["LLAMA_MOE_DOMAINS"] = ",".join(sorted(set(args.seq_tags)))
     min_batch = int(os.environ.get("GGML_OP_OFFLOAD_MIN_BATCH", DEFAULT_OFFLOAD_MIN_BATCH))
     n: int | None = None
-    if config.key in ("b", "d", "e"):
+    if config.base in ("b", "d", "e"):
         extra.append("--cpu-moe")
-    if config.key == "c":
+    if config.base == "c":
         n = n_cpu_moe
-    if config.key == "d":
+    if config.base == "d":
         min_batch = 1
-    if config.key == "e" and getattr(args, "cache_log", None):
-        env["LLAMA_MOE_CACHE_LOG"] = str(args.cache_log)  # what the replay below checks the counters against
+    if config.load_mode:
+        extra += ["--load-mode", config.load_mode]
+    if config.base == "e" and getattr(args, "cache_log_dir", None):
+        # what the replay below checks the counters against, one log per cache server
+        env["LLAMA_MOE_CACHE_LOG"] = str(args.cache_log_dir / f"{config.key}-access.log")
     env["GGML_OP_OFFLOAD_MIN_BATCH"] = str(min_batch)
     return extra, env, n, min_batch
+
+
+def concurrency(config: Config) -> int:
+    """-np of a config's server: N for the `<key>-npN` servers of --concurrent, else 1."""
+    m = re.search(r"-np(\d+)$", config.key)
+    return int(m[1]) if m else 1
 
 
 def start_server(
@@ -392,18 +446,21 @@ def start_server(
     token: str,
 ) -> Server:
     extra, env, n, min_batch = server_plan(config, n_cpu_moe, args)
+    parallel = concurrency(config)
     settings = LlamaSettings(
         port=free_port(),
-        parallel=1,
-        ctx_size=args.ctx,
+        parallel=parallel,
+        ctx_size=args.ctx * parallel,  # every slot the context of the -np 1 servers
         threads=args.threads,
         telemetry=True,
         admin_token=token,
         gpu_layers=ALL_LAYERS,
         n_cpu_moe=n,
         extra_args=" ".join(extra),
-        expert_cache_bytes=str(getattr(args, "e_bytes", 0) or device_expert_bytes) if config.key == "e" else "",
+        expert_cache_bytes=str(getattr(args, "e_bytes", 0) or device_expert_bytes) if config.base == "e" else "",
     )
+    if config.base == "e":
+        settings.expert_cache_policy = config.policy or "default"
     if "cpu_repack" in LlamaSettings.model_fields:  # the settings decide --no-repack themselves
         settings.cpu_repack = not args.no_repack
     spec = llama_service_spec(
@@ -424,7 +481,7 @@ def start_server(
             "a": layout.routed_bytes,
             "c": device_expert_bytes,
             "e": getattr(args, "e_bytes", 0) or device_expert_bytes,
-        }.get(config.key, 0),
+        }.get(config.base, 0),
         env=env,
         args=spec.argv[1:],
     )
@@ -451,8 +508,10 @@ def next_domain(s: Server, args: argparse.Namespace) -> str | None:
     """The domain tag of the server's next request: the ESFT task of the trace sequence it replays
     (request r replays sequence r), with --domains esft; else none."""
     tags = getattr(args, "seq_tags", None)
-    s.sent += 1
-    return tags[(s.sent - 1) % len(tags)] if tags else None
+    with s.lock:
+        s.sent += 1
+        r = s.sent - 1
+    return tags[r % len(tags)] if tags else None
 
 
 def pull_counts(client: httpx.Client, url: str, token: str) -> Counts:
@@ -538,8 +597,8 @@ def replay_check(s: Server, args: argparse.Namespace, layout: ExpertLayout) -> d
 
     engine = s.final_cache
     replay = replay_accesses(
-        read_access_log(args.cache_log),
-        "default",
+        read_access_log(Path(s.env["LLAMA_MOE_CACHE_LOG"])),
+        s.config.policy or "default",
         len(layout.expert_bytes),
         layout.n_expert,
         engine["slots"],
@@ -566,7 +625,7 @@ def one_run(client: httpx.Client, s: Server, prompt: str, layout: ExpertLayout, 
     """The prompt alone, then the same prompt from the cache and --tokens decode steps; each followed
     by a reset pull, so each pull holds one request's routing."""
     pull_counts(client, s.url, args.token)  # drop anything before (a warm-up)
-    cached = s.config.key == "e"
+    cached = s.config.base == "e"
     before = cache_counters(client, s.url) if cached else {}
     t = complete(client, s.url, prompt, 1, cache_prompt=False, domain=next_domain(s, args))
     prompt_counts = pull_counts(client, s.url, args.token)
@@ -656,6 +715,12 @@ def summarize(s: Server, base: Server, log_text: str) -> dict:
         "config": s.config.name,
         "what": s.config.what,
         "status": "measured",
+        "base": s.config.base,
+        "load_mode": s.config.load_mode,
+        "policy": s.config.policy,
+        "host_experts_log": host_experts_line(log_text),
+        "start_seconds": s.start_seconds,
+        "concurrent": s.concurrent,
         "expert_cache": cache,
         "server_args": s.args,
         "env": s.env,
@@ -725,6 +790,122 @@ def table(rows: dict[str, dict]) -> str:
             f"| {_pct((r.get('expert_cache') or {}).get('decode_hit_rate'))} |"
         )
     return "\n".join(lines)
+
+
+# -- against the best stock placement, and the cost model's constants -------------------------------
+
+HOST_EXPERTS_LOG = "expert cache: host experts"  # the engine's one line saying where it keeps the experts
+
+
+def host_experts_line(log_text: str) -> str | None:
+    """The engine's line naming its choice of host memory for the experts (pinned or mapped), if any."""
+    for line in log_text.splitlines():
+        if HOST_EXPERTS_LOG in line:
+            return line.strip()
+    return None
+
+
+def versus_best_stock(rows: Mapping[str, dict]) -> dict[str, dict]:
+    """Each of the project's rows (the expert cache, e and its variants) against the best stock row at
+    no more device expert bytes: the fastest of b, c, d and their pinned variants, decode and prompt
+    each on its own (the best decode and the best prompt may be different rows), as the median of each
+    side's runs. Stock rows that hold more device memory than the cache (a, c at a larger budget) are
+    not its competitors at equal device memory."""
+    measured = {k: r for k, r in rows.items() if r.get("status") == "measured" and r.get("decode_tokens_per_s")}
+    out: dict[str, dict] = {}
+    for key, row in measured.items():
+        if row.get("base") != "e":
+            continue
+        budget = row["device_expert_bytes"]
+        stock = {k: r for k, r in measured.items() if r.get("base") in ("b", "c", "d")}
+        fair = {k: r for k, r in stock.items() if r["device_expert_bytes"] <= budget}
+        entry: dict = {"device_expert_bytes": budget, "stock_rows": sorted(fair)}
+        for what in ("decode", "prompt"):
+            metric = f"{what}_tokens_per_s"
+            scored = {k: r[metric] for k, r in fair.items() if r.get(metric)}
+            if not scored or not row.get(metric):
+                entry[what] = None
+                continue
+            best = max(scored, key=lambda k: scored[k])
+            entry[what] = {
+                "best_stock": best,
+                "best_stock_tokens_per_s": scored[best],
+                "tokens_per_s": row[metric],
+                "ratio": row[metric] / scored[best],
+            }
+        out[key] = entry
+    return out
+
+
+def versus_table(versus: Mapping[str, dict]) -> str:
+    """The project's rows against the best stock row at equal device memory, ratios side by side."""
+    lines = [
+        "| row | device experts MB | decode tok/s | best stock decode | ratio "
+        "| prompt tok/s | best stock prompt | ratio |",
+        "|" + " --- |" * 8,
+    ]
+    for key, v in versus.items():
+        cells = [key, _mb(v["device_expert_bytes"])]
+        for what in ("decode", "prompt"):
+            w = v.get(what)
+            if w is None:
+                cells += ["-", "-", "-"]
+            else:
+                cells += [
+                    f"{w['tokens_per_s']:.1f}",
+                    f"{w['best_stock']} {w['best_stock_tokens_per_s']:.1f}",
+                    f"**{w['ratio']:.2f}**",
+                ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def derived_constants(rows: Mapping[str, dict], layout: ExpertLayout) -> dict:
+    """Constants of the cost model (issue 32) that the runs themselves measure.
+
+    CPU expert GB/s: a decode step of b (--cpu-moe) reads top-k experts per MoE layer from host memory
+    on the CPU threads; bytes per token / seconds per token. `raw` divides by the whole step, `net`
+    by the step less a's (all on the device: the non-expert work b's step also does on the GPU), which
+    bounds the CPU's share from above: a's step also holds the experts' own GPU time.
+    GPU time per token: a's decode step; per activated expert, that step over the activations, an
+    upper bound (it holds the attention and the rest too).
+    """
+    per_token = sum(layout.expert_bytes.values()) * layout.n_expert_used  # every MoE layer's top-k experts
+    activations = len(layout.expert_bytes) * layout.n_expert_used
+    out: dict = {"expert_bytes_read_per_token": per_token, "activations_per_token": activations}
+    a = (rows.get("a") or {}).get("decode_tokens_per_s")
+    if a:
+        out["gpu_ms_per_token"] = 1e3 / a
+        out["gpu_ms_per_activation_upper_bound"] = 1e3 / a / activations
+    for key in ("b", "bp"):
+        tps = (rows.get(key) or {}).get("decode_tokens_per_s")
+        if not tps:
+            continue
+        step = 1 / tps
+        entry = {"raw_gbps": per_token / step / 1e9, "step_ms": step * 1e3}
+        if a and step > 1 / a:
+            entry["net_of_a_gbps"] = per_token / (step - 1 / a) / 1e9
+        out[f"cpu_expert_{key}"] = entry
+    return out
+
+
+def load_constants(args: argparse.Namespace) -> dict | str | None:
+    """--constants: a JSON file of bench/gpu_facts.py, `measure` (run it now, before any server holds
+    the device), or `none`."""
+    if args.constants == "none":
+        return None
+    if args.constants == "measure":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from gpu_facts import DS_V2_LITE_EXPERT_BYTES, constants
+
+        return constants(DS_V2_LITE_EXPERT_BYTES)
+    path = Path(args.constants)
+    if not path.is_file():
+        raise BenchError(f"--constants {path} does not exist")
+    try:
+        return json.loads(path.read_text())
+    except ValueError as exc:
+        raise BenchError(f"--constants {path} is not JSON: {exc}") from exc
 
 
 # -- inputs ---------------------------------------------------------------------------------------
@@ -805,14 +986,16 @@ def resolve_trace(args: argparse.Namespace, binary: Path, layout: ExpertLayout, 
     return out, f"ESFT route trace of DeepSeek-V2-Lite ({TRACE_ENV}, moe-l2 make-route-trace)"
 
 
-def check_fits(configs: list[Config], layout: ExpertLayout, device_expert_c: int, backend: str) -> tuple[list, dict]:
+def check_fits(
+    configs: list[Config], layout: ExpertLayout, device_expert_c: int, backend: str, margin: int = DEVICE_MARGIN_BYTES
+) -> tuple[list, dict]:
     """The configs that fit in the device's free memory together; (a) is dropped with a reason when
     it alone does not fit, any other shortfall is an error."""
     free = device_free_bytes(backend)
     skipped: dict[str, str] = {}
     if free is None:
         return configs, skipped
-    needs = {c.key: device_need(c, layout, device_expert_c) for c in configs}
+    needs = {c.key: device_need(c, layout, device_expert_c, margin) for c in configs}
     if sum(needs.values()) > free and "a" in needs:
         skipped["a"] = (
             f"does not fit: needs about {needs.pop('a') / 1e9:.1f} GB of device memory, "
@@ -839,7 +1022,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--model-dir", type=Path, help="where to write the generated model (default: a temp dir)")
     parser.add_argument("--cache-bytes", default="50%", help="the expert cache's device budget: 4GiB, 512M, 50%%")
-    parser.add_argument("--configs", default="a,b,c,d,e", help="of a,b,c,d,e (b is the baseline)")
+    parser.add_argument(
+        "--configs",
+        default="a,b,c,d,e",
+        help="of " + ",".join(CONFIGS) + " (b is the baseline; p: pinned, m: mmap, l: lru)",
+    )
     parser.add_argument("--trace", default="auto", help="a route trace file, auto (ESFT if the patch exists), none")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=16, help="decode tokens per run")
@@ -872,7 +1059,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="esft",
         help="esft: with the ESFT trace, tag each request with its sequence's task (e gets per-domain tables)",
     )
+    parser.add_argument(
+        "--concurrent", type=int, default=0, help="-np N: also measure N concurrent requests on own servers"
+    )
+    parser.add_argument(
+        "--concurrent-configs",
+        dest="concurrent_configs_text",
+        default="cp,e",
+        help="the configs --concurrent measures (default cp,e: the best stock at 50%% on the H200, the default)",
+    )
+    parser.add_argument(
+        "--constants",
+        default="none",
+        help="the machine's constants for the JSON: a bench/gpu_facts.py constants FILE, measure, or none",
+    )
+    parser.add_argument("--gauges", action="store_true", help="read the NVML gauges against nvidia-smi once")
+    parser.add_argument("--start-jobs", type=int, default=1, help="servers started at once")
+    parser.add_argument(
+        "--device-margin-mib",
+        type=int,
+        default=DEVICE_MARGIN_BYTES >> 20,
+        help="device memory per server beyond its weights, for the fit check (KV, compute, driver)",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/expert_offload.json"))
+    parser.add_argument("--log-dir", type=Path, help="the server logs (default: <out>-logs beside the JSON)")
     args = parser.parse_args(argv)
     if args.cache_slots is not None and args.cache_slots < 1:
         parser.error("--cache-slots must be at least 1")
@@ -884,6 +1094,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # -- main -----------------------------------------------------------------------------------------
+
+
+def start_all(
+    supervisor: Supervisor,
+    binary: Path,
+    model: Path,
+    layout: ExpertLayout,
+    configs: list[Config],
+    n_cpu_moe: int,
+    device_expert_c: int,
+    args: argparse.Namespace,
+) -> dict[str, Server]:
+    """Every config's server, `--start-jobs` at a time. Loading is most of a server's start (9.5 GB
+    from the page cache, and with --load-mode none into freshly pinned memory), and loads of
+    separate servers overlap well on a many-core host; the measurements start only when all are up."""
+
+    def one(c: Config) -> Server:
+        print(f"starting {c.key} ({c.name}) ...", file=sys.stderr, flush=True)
+        t0 = time.monotonic()
+        try:
+            s = start_server(supervisor, binary, model, c, layout, n_cpu_moe, device_expert_c, args, args.token)
+        except SupervisorError as exc:
+            raise BenchError(f"llama-server for {c.key} ({c.name}) did not start: {exc}".splitlines()[0]) from exc
+        s.start_seconds = round(time.monotonic() - t0, 1)
+        print(f"  {c.key} ready in {s.start_seconds:.0f}s", file=sys.stderr, flush=True)
+        if c.base == "e":
+            for body in getattr(args, "profile_bodies", None) or []:
+                push_profile(s.url, body, args.token)
+        return s
+
+    wanted = [c for c in configs if c.base != "e" or cache_patch_present(binary)]
+    jobs = max(1, getattr(args, "start_jobs", 1))
+    if jobs == 1:
+        started = [one(c) for c in wanted]
+    else:
+        with ThreadPoolExecutor(jobs) as pool:
+            started = list(pool.map(one, wanted))  # the first failure is raised, in config order
+    return {s.config.key: s for s in started}
 
 
 def measure(
@@ -899,22 +1147,9 @@ def measure(
     supervisor = Supervisor(logs)
     servers: dict[str, Server] = {}
     try:
-        for c in configs:
-            if c.key == "e" and not cache_patch_present(binary):
-                continue
-            print(f"starting {c.key} ({c.name}) ...", file=sys.stderr, flush=True)
-            t0 = time.monotonic()
-            try:
-                servers[c.key] = start_server(
-                    supervisor, binary, model, c, layout, n_cpu_moe, device_expert_c, args, args.token
-                )
-            except SupervisorError as exc:
-                raise BenchError(f"llama-server for {c.key} ({c.name}) did not start: {exc}".splitlines()[0]) from exc
-            print(f"  {c.key} ready in {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
-            if c.key == "e":
-                for body in getattr(args, "profile_bodies", None) or []:
-                    push_profile(servers["e"].url, body, args.token)
-        order = list(servers.values())
+        all_configs = configs + getattr(args, "concurrent_configs", [])
+        servers = start_all(supervisor, binary, model, layout, all_configs, n_cpu_moe, device_expert_c, args)
+        order = [s for s in servers.values() if concurrency(s.config) == 1]
         with httpx.Client(timeout=args.request_timeout) as client:
             try:
                 for s in order:  # warm-up: every server the same requests, so a trace cursor stays aligned
@@ -927,18 +1162,76 @@ def measure(
                         one_run(client, s, prompt, layout, args)
                     done = ", ".join(f"{s.config.key} {s.decode_tps[-1]:.2f}" for s in order)
                     print(f"  run {i + 1}/{args.runs}: decode tok/s {done}", file=sys.stderr, flush=True)
+                if getattr(args, "gauges", False):
+                    args.gauges_read = read_gauges()
+                for s in servers.values():
+                    if concurrency(s.config) > 1:
+                        s.concurrent = concurrent_run(s, args)
+                        print(f"  {s.config.key}: {s.concurrent['summary']}", file=sys.stderr, flush=True)
             except httpx.HTTPError as exc:
                 raise BenchError(f"a request failed: {exc!r} (see the server logs under {logs})") from exc
             except (Interrupted, KeyboardInterrupt):
                 args.interrupted = True
                 print("  interrupted: reporting the runs every server finished", file=sys.stderr, flush=True)
                 trim_to_complete_runs(order)
-            if "e" in servers:
-                servers["e"].final_cache = moe_cache_metrics(client, servers["e"].url)
+            for s in order:
+                if s.config.base == "e":
+                    s.final_cache = moe_cache_metrics(client, s.url)
         logs_text = {k: s.log_path.read_text(errors="replace") for k, s in servers.items()}
     finally:
         supervisor.stop()
     return servers, logs_text
+
+
+def read_gauges() -> dict:
+    """bench/gpu_facts.py's read of the cache-manager's NVML gauges against nvidia-smi, while the
+    servers hold their device memory."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gpu_facts import gauges
+
+    return gauges()
+
+
+def concurrent_run(s: Server, args: argparse.Namespace) -> dict:
+    """-np N: N requests at once, distinct prompts, each tagged with the domain of the trace sequence
+    it replays (the r-th request assigned to a slot replays sequence r, so the tags follow the send
+    order), --tokens decode tokens each, twice (the first fills the slots' caches of nothing: it is
+    the warm-up). Aggregate decode tok/s = all decode tokens / the longest request's decode time
+    (the slots decode in one batch); the wall figure divides by the whole round, prompts included."""
+    n = concurrency(s.config)
+    rounds = []
+    with httpx.Client(timeout=args.request_timeout) as client, ThreadPoolExecutor(n) as pool:
+        for r in range(2):
+            prompts = [make_prompt(r * n + i, args.prompt_words) for i in range(n)]
+            domains = [next_domain(s, args) for _ in range(n)]
+            t0 = time.monotonic()
+            futures = [
+                pool.submit(complete, client, s.url, p, args.tokens, False, d)
+                for p, d in zip(prompts, domains, strict=True)
+            ]
+            timings = [f.result() for f in futures]
+            rounds.append({"wall_s": time.monotonic() - t0, "timings": timings, "domains": domains})
+    return concurrent_summary(rounds[-1], n) | {"warm_up_round": concurrent_summary(rounds[0], n)}
+
+
+def concurrent_summary(round_: dict, n: int) -> dict:
+    """One round of N concurrent requests in figures (see concurrent_run)."""
+    timings = round_["timings"]
+    tokens = sum(t["predicted_n"] for t in timings)
+    decode_s = max(t["predicted_ms"] for t in timings) / 1e3
+    prompt_tokens = sum(t["prompt_n"] for t in timings)
+    agg = tokens / decode_s if decode_s > 0 else None
+    return {
+        "requests": n,
+        "domains": round_["domains"],
+        "decode_tokens": tokens,
+        "aggregate_decode_tokens_per_s": agg,
+        "wall_tokens_per_s": tokens / round_["wall_s"] if round_["wall_s"] > 0 else None,
+        "wall_s": round(round_["wall_s"], 3),
+        "prompt_tokens": prompt_tokens,
+        "per_request_decode_tokens_per_s": [t["predicted_per_second"] for t in timings],
+        "summary": f"{n} concurrent: {tokens} decode tokens, aggregate {_num(agg, '.1f')} tok/s",
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -948,6 +1241,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         configs = parse_configs(args.configs)
+        args.concurrent_configs = parse_concurrent(args.concurrent_configs_text, args.concurrent)
+        args.constants_doc = load_constants(args)
         binary = resolve_binary(args)
         with tempfile.TemporaryDirectory(prefix="expert-offload-") as tmp_name:
             tmp = Path(tmp_name)
@@ -958,7 +1253,11 @@ def main(argv: list[str] | None = None) -> int:
                 raise BenchError(str(exc)) from exc
             cache_bytes = parse_bytes(args.cache_bytes, layout.routed_bytes)
             n_cpu_moe, device_expert_c = choose_n_cpu_moe(layout, cache_bytes)
-            configs, skipped = check_fits(configs, layout, device_expert_c, args.backend)
+            margin = args.device_margin_mib << 20
+            everything = configs + args.concurrent_configs
+            fitting, skipped = check_fits(everything, layout, device_expert_c, args.backend, margin)
+            configs = [c for c in fitting if concurrency(c) == 1]
+            args.concurrent_configs = [c for c in fitting if concurrency(c) > 1]
             args.trace_file, trace_note = resolve_trace(args, binary, layout, tmp)
             slot_bytes = max(layout.expert_bytes.values())
             args.e_bytes = args.cache_slots * slot_bytes * len(layout.expert_bytes) if args.cache_slots else 0
@@ -966,14 +1265,17 @@ def main(argv: list[str] | None = None) -> int:
             esft = args.trace_file is not None and args.trace == "auto"
             args.seq_tags = esft_sequence_tasks(esft_npz()) if esft and args.domains == "esft" else None
             if args.profile == "auto" and esft:
+                # the runs replay sequences 0..2 runs, each -np N server 2 rounds of N
+                replayed = max(1 + 2 * args.runs, 2 * args.concurrent if args.concurrent_configs else 0)
                 args.profile_bodies, args.profile_tables, profile_note = held_out_profile(
-                    args.trace_file, 1 + 2 * args.runs, layout.n_expert, args.seq_tags
+                    args.trace_file, replayed, layout.n_expert, args.seq_tags
                 )
             t0 = time.monotonic()
-            log_dir = args.out.parent / f"{args.out.stem}-logs"  # kept: a failed start or request points here
+            # kept: a failed start or request points here
+            log_dir = args.log_dir or args.out.parent / f"{args.out.stem}-logs"
             shutil.rmtree(log_dir, ignore_errors=True)
             log_dir.mkdir(parents=True)
-            args.cache_log = log_dir / "e-access.log"
+            args.cache_log_dir = log_dir
             servers, logs = measure(binary, model, layout, configs, n_cpu_moe, device_expert_c, args, log_dir)
             seconds = time.monotonic() - t0
     except BenchError as exc:
@@ -984,17 +1286,25 @@ def main(argv: list[str] | None = None) -> int:
         return 124
 
     rows: dict[str, dict] = {}
-    for key in ("a", "b", "c", "d", "e"):
-        c = CONFIGS[key]
-        if key in servers:
-            rows[key] = summarize(servers[key], servers["b"], logs[key])
-            if key == "e" and rows[key]["expert_cache"] and servers[key].final_cache and args.cache_log.is_file():
-                rows[key]["expert_cache"]["replay_check"] = replay_check(servers[key], args, layout)
+    for c in configs + args.concurrent_configs:
+        key = c.key
+        if key in servers and concurrency(c) > 1:
+            s = servers[key]
+            rows[key] = {"config": c.name, "what": c.what, "status": "measured", "base": c.base}
+            rows[key] |= {"concurrent": s.concurrent, "server_args": s.args, "env": s.env}
+            rows[key] |= {"host_experts_log": host_experts_line(logs[key]), "start_seconds": s.start_seconds}
+        elif key in servers:
+            s = servers[key]
+            rows[key] = summarize(s, servers["b"], logs[key])
+            log_file = Path(s.env.get("LLAMA_MOE_CACHE_LOG", "/nonexistent"))
+            if rows[key]["expert_cache"] and s.final_cache and log_file.is_file():
+                rows[key]["expert_cache"]["replay_check"] = replay_check(s, args, layout)
                 rows[key]["expert_cache"]["profile"] = profile_note
         elif key in skipped:
             rows[key] = {"config": c.name, "what": c.what, "status": skipped[key]}
-        elif key == "e" and any(x.key == "e" for x in configs):
+        elif c.base == "e":
             rows[key] = {"config": c.name, "what": c.what, "status": NOT_BUILT, "device_expert_bytes": device_expert_c}
+    versus = versus_best_stock(rows)
     device_note = {
         "vulkan": "Vulkan device (llvmpipe when no GPU: device memory is host memory, absolute speeds mean little)",
         "cuda": "CUDA device 0",
@@ -1038,6 +1348,10 @@ def main(argv: list[str] | None = None) -> int:
             "cache) is measured instead: its counters' loaded and bypassed bytes per request"
         ),
         "configs": rows,
+        "vs_best_stock": versus,
+        "constants": args.constants_doc,
+        "derived_constants": derived_constants(rows, layout),
+        "gpu_gauges": getattr(args, "gauges_read", None),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
@@ -1047,13 +1361,20 @@ def main(argv: list[str] | None = None) -> int:
         f"{cache_bytes / 1e6:.0f} MB -> --n-cpu-moe {n_cpu_moe}; routing: {trace_note}"
     )
     print(table(rows))
-    check = ((rows.get("e") or {}).get("expert_cache") or {}).get("replay_check")
-    if check:
-        print(
-            f"e: {check['slots']} slots per layer; engine vs Python replay of its access log "
-            f"{'EQUAL' if check['equal'] else 'DIFFERENT'}: {check['engine']} vs {check['replay']}; "
-            f"profile: {rows['e']['expert_cache']['profile']}"
-        )
+    print()
+    print(versus_table(versus))
+    for key, row in rows.items():
+        check = (row.get("expert_cache") or {}).get("replay_check")
+        if check:
+            print(
+                f"{key}: {check['slots']} slots per layer; engine vs Python replay of its access log "
+                f"{'EQUAL' if check['equal'] else 'DIFFERENT'}: {check['engine']} vs {check['replay']}; "
+                f"profile: {row['expert_cache']['profile']}"
+            )
+        if row.get("host_experts_log"):
+            print(f"{key}: {row['host_experts_log']}")
+        if row.get("concurrent"):
+            print(f"{key}: {row['concurrent']['summary']}")
     print(
         "H2D: host->device expert bytes, derived from the routing telemetry (see h2d_bytes_method in "
         f"{args.out}); for e, measured by the expert cache's own counters"

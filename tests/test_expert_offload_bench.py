@@ -174,3 +174,96 @@ def test_unknown_backend_is_refused(bench, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--backend", "rocm"])
     assert "invalid choice: 'rocm'" in capsys.readouterr().err
+
+
+# -- the GPU check's rows: load modes, the best stock row, -np N, the cost model's constants ---------
+
+
+def test_pinned_and_mmap_variants_add_the_load_mode(bench):
+    c = bench.CONFIGS
+    args = SimpleNamespace(ubatch=512, backend="cpu", trace_file=None)
+    for key, mode in (("bp", "none"), ("cp", "none"), ("dp", "none"), ("ep", "none"), ("em", "mmap")):
+        extra, _, n, min_batch = bench.server_plan(c[key], 14, args)
+        assert extra[extra.index("--load-mode") + 1] == mode
+        base_extra, _, base_n, base_min = bench.server_plan(c[c[key].base], 14, args)
+        assert extra == [*base_extra, "--load-mode", mode] and (n, min_batch) == (base_n, base_min)
+    # e itself names no load mode: the engine chooses (pinned when the experts fit in RAM)
+    assert "--load-mode" not in bench.server_plan(c["e"], 14, args)[0]
+    assert c["el"].policy == "lru" and c["el"].base == "e" and c["el"].load_mode is None
+    assert [k for k, x in c.items() if x.stock] == ["b", "bp", "c", "cp", "d", "dp"]
+
+
+def test_concurrent_configs_get_their_own_servers(bench):
+    got = bench.parse_concurrent("cp,e", 4)
+    assert [x.key for x in got] == ["cp-np4", "e-np4"]
+    assert [bench.concurrency(x) for x in got] == [4, 4] and bench.concurrency(bench.CONFIGS["e"]) == 1
+    assert got[0].base == "c" and got[0].load_mode == "none"
+    assert bench.parse_concurrent("cp,e", 1) == [] and bench.parse_concurrent("", 4) == []
+    with pytest.raises(bench.BenchError, match="unknown config zz"):
+        bench.parse_concurrent("zz", 4)
+
+
+def row(base: str, device: int, decode: float, prompt: float) -> dict:
+    return {
+        "status": "measured",
+        "base": base,
+        "device_expert_bytes": device,
+        "decode_tokens_per_s": decode,
+        "prompt_tokens_per_s": prompt,
+    }
+
+
+def test_the_project_default_against_the_best_stock_row_at_equal_device_memory(bench):
+    rows = {
+        "a": row("a", 8_000, 206.0, 2000.0),  # more device memory: never the competitor
+        "b": row("b", 0, 52.0, 128.0),
+        "bp": row("b", 0, 60.8, 687.0),
+        "c": row("c", 4_000, 85.8, 242.0),
+        "cp": row("c", 4_000, 95.5, 1104.0),
+        "dp": row("d", 0, 47.6, 697.0),
+        "e": row("e", 4_000, 111.7, 691.0),
+        "e-small": row("e", 1_000, 58.8, 672.0),  # below c's bytes: only b and d count
+    }
+    v = bench.versus_best_stock(rows)
+    assert v["e"]["decode"]["best_stock"] == "cp" and v["e"]["decode"]["ratio"] == pytest.approx(111.7 / 95.5)
+    assert v["e"]["prompt"]["best_stock"] == "cp" and v["e"]["prompt"]["ratio"] == pytest.approx(691 / 1104)
+    assert v["e-small"]["decode"]["best_stock"] == "bp" and v["e-small"]["stock_rows"] == ["b", "bp", "dp"]
+    assert v["e-small"]["prompt"]["best_stock"] == "dp"
+    assert set(v) == {"e", "e-small"}
+    text = bench.versus_table(v)
+    assert "| e | 0.00 | 111.7 | cp 95.5 | **1.17** | 691.0 | cp 1104.0 | **0.63** |" in text
+
+
+def test_constants_derived_from_the_runs(bench, ds_layout):
+    rows = {"a": row("a", 0, 200.0, 1.0), "b": row("b", 0, 50.0, 1.0)}
+    got = bench.derived_constants(rows, ds_layout)
+    per_token = 26 * 6 * EXPERT  # every MoE layer's top-6 experts, read once a token
+    assert got["expert_bytes_read_per_token"] == per_token and got["activations_per_token"] == 156
+    assert got["gpu_ms_per_token"] == pytest.approx(5.0)
+    assert got["cpu_expert_b"]["raw_gbps"] == pytest.approx(per_token * 50 / 1e9)
+    assert got["cpu_expert_b"]["net_of_a_gbps"] == pytest.approx(per_token / (0.02 - 0.005) / 1e9)
+    assert "cpu_expert_bp" not in got
+
+
+def test_the_engine_s_host_memory_line_is_kept(bench):
+    log = "load: something\nsrv  init: expert cache: host experts in pinned memory (8.10 GB)\nmore"
+    assert bench.host_experts_line(log) == "srv  init: expert cache: host experts in pinned memory (8.10 GB)"
+    assert bench.host_experts_line("nothing here") is None
+
+
+def test_concurrent_requests_in_figures(bench):
+    one = {"predicted_n": 64, "prompt_n": 30, "predicted_per_second": 60.0}
+    timings = [dict(one, predicted_ms=1000.0 + 100 * i) for i in range(4)]  # decoded in one batch
+    got = bench.concurrent_summary({"timings": timings, "wall_s": 2.0, "domains": ["law", "intent"] * 2}, 4)
+    assert got["decode_tokens"] == 256 and got["aggregate_decode_tokens_per_s"] == pytest.approx(256 / 1.3)
+    assert got["wall_tokens_per_s"] == pytest.approx(128.0) and got["prompt_tokens"] == 120
+
+
+def test_identity_rows_and_comparison():
+    identity = load_bench("gpu_identity")
+    rows = identity.plan_rows([7, 32], ["none", "mmap"])
+    assert [c.key for c, _ in rows] == ["a", "d-pinned", "d-mmap", "e7-pinned", "e7-mmap", "e32-pinned", "e32-mmap"]
+    assert [n for _, n in rows] == [0, 0, 0, 7, 7, 32, 32]
+    assert all(c.load_mode in ("none", "mmap") for c, _ in rows[1:])
+    got = identity.compare({"a": ["x", "y"], "d-pinned": ["x", "z"], "e7-mmap": ["x"]})
+    assert got == {"d-pinned": [True, False], "e7-mmap": [True]}
