@@ -409,6 +409,8 @@ def server_plan(
         env["GGML_VK_VISIBLE_DEVICES"] = os.environ.get("GGML_VK_VISIBLE_DEVICES", "0")
     if args.trace_file:
         env[TRACE_ENV] = str(args.trace_file)
+        if concurrency(config) > 1 and getattr(args, "concurrent_trace", None):
+            env[TRACE_ENV] = str(args.concurrent_trace)
     if getattr(args, "seq_tags", None):
         env["LLAMA_MOE_DOMAINS"] = ",".join(sorted(set(args.seq_tags)))
     min_batch = int(os.environ.get("GGML_OP_OFFLOAD_MIN_BATCH", DEFAULT_OFFLOAD_MIN_BATCH))
@@ -507,7 +509,8 @@ def complete(
 def next_domain(s: Server, args: argparse.Namespace) -> str | None:
     """The domain tag of the server's next request: the ESFT task of the trace sequence it replays
     (request r replays sequence r), with --domains esft; else none."""
-    tags = getattr(args, "seq_tags", None)
+    tags = getattr(args, "concurrent_tags", None) if concurrency(s.config) > 1 else None
+    tags = tags or getattr(args, "seq_tags", None)
     with s.lock:
         s.sent += 1
         r = s.sent - 1
@@ -550,12 +553,12 @@ def push_profile(url: str, body: dict, token: str) -> None:
 
 
 def held_out_profile(
-    trace_file: Path, n_requests: int, n_expert: int, seq_tags: list[str] | None
+    trace_file: Path, n_requests: int, n_expert: int, seq_tags: list[str] | None, exclude: frozenset[int] = frozenset()
 ) -> tuple[list[dict], object, str]:
     """The tables of the trace's sequences that no request of this run replays (request r replays
-    sequence r): the transitions of them all as the profile of no domain and, with `seq_tags` (each
-    sequence's domain), each domain's prior and transitions. (POST bodies, decoded tables for the
-    replay, a note.)"""
+    sequence r; `exclude`: those the -np N servers replay): the transitions of them all as the profile
+    of no domain and, with `seq_tags` (each sequence's domain), each domain's prior and transitions.
+    (POST bodies, decoded tables for the replay, a note.)"""
     from moe_l2_cache.policy.profile import fit_profile
     from moe_l2_cache.policy.replay import DomainTables
     from moe_l2_contracts.schemas.llama import ExpertCacheProfile, decode_f32
@@ -564,10 +567,10 @@ def held_out_profile(
     trace = read_route_trace(trace_file)
     if trace.n_seq <= n_requests:
         raise BenchError(f"the trace has {trace.n_seq} sequences, the run replays {n_requests}: none left to fit on")
-    first = int(trace.offsets[n_requests])
-    ids = trace.ids[first:]
-    lengths = np.diff(trace.offsets)[n_requests:]
-    labels = np.repeat(seq_tags[n_requests:], lengths) if seq_tags else np.full(len(ids), "all")
+    fit = [q for q in range(n_requests, trace.n_seq) if q not in exclude]
+    ids = np.concatenate([trace.sequence(q) for q in fit])
+    lengths = np.diff(trace.offsets)[fit]
+    labels = np.repeat([seq_tags[q] for q in fit], lengths) if seq_tags else np.full(len(ids), "all")
     fitted = fit_profile(ids, list(labels), n_expert)
     bodies = [ExpertCacheProfile.from_tables(None, transitions=fitted.transitions)]
     if seq_tags:
@@ -580,8 +583,9 @@ def held_out_profile(
         for b in bodies
     }
     note = (
-        f"tables fitted on the trace's sequences {n_requests}..{trace.n_seq - 1} ({len(ids)} tokens), none of "
-        "which this run replays; "
+        f"tables fitted on the trace's sequences {n_requests}..{trace.n_seq - 1}"
+        + (f" less the {len(exclude)} the -np servers replay" if exclude else "")
+        + f" ({len(ids)} tokens), none of which this run replays; "
         + (
             "requests tagged with their sequence's ESFT task: per-domain priors and transitions"
             if seq_tags
@@ -589,6 +593,31 @@ def held_out_profile(
         )
     )
     return [b.model_dump() for b in bodies], tables, note
+
+
+def interleave_domains(tags: list[str], first: int, n: int) -> list[int]:
+    """n sequence indices from `first` on, round-robin over the domains (in order of first
+    appearance), each domain's sequences in order; fewer when the domains run out."""
+    queues: dict[str, list[int]] = {}
+    for q in range(first, len(tags)):
+        queues.setdefault(tags[q], []).append(q)
+    out: list[int] = []
+    while len(out) < n and any(queues.values()):
+        for queue in queues.values():
+            if queue and len(out) < n:
+                out.append(queue.pop(0))
+    return out
+
+
+def subset_trace(trace_file: Path, seqs: list[int], out: Path, tags: list[str]) -> list[str]:
+    """A route trace of the sequences `seqs` of `trace_file`, in that order; their domain tags."""
+    from moe_l2_llama.route_trace import RouteTrace, read_route_trace, write_route_trace
+
+    trace = read_route_trace(trace_file)
+    parts = [trace.sequence(q) for q in seqs]
+    offsets = np.concatenate([[0], np.cumsum([len(p) for p in parts])]).astype(np.int32)
+    write_route_trace(RouteTrace(ids=np.concatenate(parts), offsets=offsets, n_expert=trace.n_expert), out)
+    return [tags[q] for q in seqs]
 
 
 def replay_check(s: Server, args: argparse.Namespace, layout: ExpertLayout) -> dict:
@@ -1264,11 +1293,20 @@ def main(argv: list[str] | None = None) -> int:
             args.profile_bodies, args.profile_tables, profile_note = None, None, "none"
             esft = args.trace_file is not None and args.trace == "auto"
             args.seq_tags = esft_sequence_tasks(esft_npz()) if esft and args.domains == "esft" else None
+            replayed = 1 + 2 * args.runs  # the warm-up and two requests a run: sequences 0..2 runs
+            concurrent_seqs: list[int] = []
+            if args.concurrent_configs and args.trace_file is not None and args.seq_tags:
+                # the trace's sequences come grouped by task (127 intent first): the -np servers get a
+                # trace of their own, sequences taken round-robin over the tasks, so that every round
+                # of N concurrent requests mixes domains
+                concurrent_seqs = interleave_domains(args.seq_tags, replayed, 2 * args.concurrent)
+                args.concurrent_trace = tmp / "concurrent.trace"
+                args.concurrent_tags = subset_trace(
+                    args.trace_file, concurrent_seqs, args.concurrent_trace, args.seq_tags
+                )
             if args.profile == "auto" and esft:
-                # the runs replay sequences 0..2 runs, each -np N server 2 rounds of N
-                replayed = max(1 + 2 * args.runs, 2 * args.concurrent if args.concurrent_configs else 0)
                 args.profile_bodies, args.profile_tables, profile_note = held_out_profile(
-                    args.trace_file, replayed, layout.n_expert, args.seq_tags
+                    args.trace_file, replayed, layout.n_expert, args.seq_tags, frozenset(concurrent_seqs)
                 )
             t0 = time.monotonic()
             # kept: a failed start or request points here

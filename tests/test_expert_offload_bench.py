@@ -6,6 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import httpx
+import numpy as np
 import pytest
 
 from moe_l2_gguf.index import load_index
@@ -267,3 +268,19 @@ def test_identity_rows_and_comparison():
     assert all(c.load_mode in ("none", "mmap") for c, _ in rows[1:])
     got = identity.compare({"a": ["x", "y"], "d-pinned": ["x", "z"], "e7-mmap": ["x"]})
     assert got == {"d-pinned": [True, False], "e7-mmap": [True]}
+
+
+def test_concurrent_requests_mix_the_domains_of_sequences_no_run_replays(bench, tmp_path):
+    tags = ["intent"] * 6 + ["law"] * 3 + ["translation"] * 2 + ["summary"]
+    got = bench.interleave_domains(tags, 2, 8)
+    assert got == [2, 6, 9, 11, 3, 7, 10, 4]  # round-robin; summary's only sequence used once
+    assert [tags[q] for q in got[:4]] == ["intent", "law", "translation", "summary"]
+    assert bench.interleave_domains(tags, 11, 8) == [11]
+    from moe_l2_llama.route_trace import RouteTrace, read_route_trace, write_route_trace
+
+    ids = np.arange(12 * 2 * 6, dtype=np.uint16).reshape(12, 2, 6)  # 6 sequences of 2 tokens
+    write_route_trace(RouteTrace(ids=ids, offsets=np.arange(0, 13, 2, dtype=np.int32), n_expert=64), tmp_path / "t")
+    six = ["a", "a", "b", "b", "c", "c"]
+    assert bench.subset_trace(tmp_path / "t", [4, 1], tmp_path / "s", six) == ["c", "a"]
+    sub = read_route_trace(tmp_path / "s")
+    assert sub.n_seq == 2 and (sub.sequence(0) == ids[8:10]).all() and (sub.sequence(1) == ids[2:4]).all()
