@@ -135,7 +135,7 @@ reap() {
 
 finish() {
   say "done in $(($(date +%s) - START))s; results in $OUT_DIR"
-  column -t -s $'\t' "$STEPS" | tee -a "$LOG"
+  if command -v column >/dev/null; then column -t -s $'\t' "$STEPS"; else cat "$STEPS"; fi | tee -a "$LOG"
   # the server logs stay in $WORK (too many files to come back): their last lines here
   for f in "$WORK"/logs/*/*.log; do
     [ -f "$f" ] || continue
