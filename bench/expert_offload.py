@@ -69,7 +69,7 @@ from moe_l2_ops.stats import parse_metrics
 from moe_l2_ops.supervisor import Supervisor, SupervisorError, free_port
 
 REPO = Path(__file__).resolve().parent.parent
-BACKENDS = ("vulkan", "cuda", "cpu")
+BACKENDS = ("vulkan", "cuda", "cpu", "rpc")
 DEFAULT_OFFLOAD_MIN_BATCH = 32  # ggml-cuda's and ggml-vulkan's default for GGML_OP_OFFLOAD_MIN_BATCH
 ALL_LAYERS = 99  # -ngl 99: every layer's non-expert weights on the device
 DEVICE_MARGIN_BYTES = 1 << 30  # KV cache, compute buffers and the driver's own, per server
@@ -307,7 +307,7 @@ def device_free_bytes(backend: str) -> int | None:
         if out.returncode != 0 or not out.stdout.strip():
             raise BenchError(f"nvidia-smi cannot read the GPU's free memory: {out.stderr.strip() or out.stdout}")
         return int(out.stdout.split()[0]) << 20
-    if backend == "vulkan":
+    if backend in ("vulkan", "rpc"):
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) << 10
@@ -329,7 +329,9 @@ def device_need(
     return need
 
 
-_BUFFER_LINE = re.compile(r"\b([A-Za-z_]+\d*(?:_[A-Za-z]+)?) (model|KV|compute|RS) buffer size =\s*([0-9.]+) MiB")
+_BUFFER_LINE = re.compile(
+    r"\b([A-Za-z_]+\d*(?:\[[^\]\s]*\])?(?:_[A-Za-z]+)?) (model|KV|compute|RS) buffer size =\s*([0-9.]+) MiB"
+)
 
 
 def buffer_sizes(log_text: str) -> dict[str, dict[str, int]]:
@@ -346,7 +348,7 @@ def buffer_sizes(log_text: str) -> dict[str, dict[str, int]]:
 
 def is_device_buffer(name: str) -> bool:
     """CUDA0, Vulkan0: device memory. CPU, CPU_Mapped, CUDA_Host (pinned host memory): not."""
-    return re.fullmatch(r"(CUDA|Vulkan|ROCm|SYCL|Metal)\d+", name) is not None
+    return re.fullmatch(r"(CUDA|Vulkan|ROCm|SYCL|Metal)\d+|RPC\d+\[[^\]]*\]", name) is not None
 
 
 # -- the servers ----------------------------------------------------------------------------------
@@ -436,6 +438,20 @@ def concurrency(config: Config) -> int:
     return int(m[1]) if m else 1
 
 
+def start_rpc_device(supervisor: Supervisor, binary: Path, config: Config, args: argparse.Namespace) -> str:
+    """--backend rpc: a ggml-rpc-server of its own for one llama-server (it serves one client at a
+    time), its CPU backend the device: where the rehearsal runs when llvmpipe faults (docs/test-bed.md).
+    The RPC build is a CPU build: its servers get --no-repack, as the engine's tests give them (repacked
+    host experts cannot be copied to a device). Returns host:port for --rpc."""
+    from moe_l2_llama.build import rpc_server_binary
+    from moe_l2_ops.supervisor import ServiceSpec, tcp_open
+
+    port = free_port()
+    argv = [str(rpc_server_binary(binary)), "-H", "127.0.0.1", "-p", str(port), "-t", str(args.rpc_threads)]
+    spec = ServiceSpec(f"{config.key}-rpc", argv, tcp_open("127.0.0.1", port), f"127.0.0.1:{port}", start_timeout_s=60)
+    return supervisor.start(spec).spec.url
+
+
 def start_server(
     supervisor: Supervisor,
     binary: Path,
@@ -448,6 +464,8 @@ def start_server(
     token: str,
 ) -> Server:
     extra, env, n, min_batch = server_plan(config, n_cpu_moe, args)
+    if args.backend == "rpc":
+        extra = ["--rpc", start_rpc_device(supervisor, binary, config, args), "--no-repack", *extra]
     parallel = concurrency(config)
     settings = LlamaSettings(
         port=free_port(),
@@ -1104,6 +1122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--gauges", action="store_true", help="read the NVML gauges against nvidia-smi once")
     parser.add_argument("--start-jobs", type=int, default=1, help="servers started at once")
+    parser.add_argument("--rpc-threads", type=int, default=2, help="--backend rpc: each ggml-rpc-server's threads")
     parser.add_argument(
         "--device-margin-mib",
         type=int,
@@ -1158,8 +1177,13 @@ def start_all(
     if jobs == 1:
         started = [one(c) for c in wanted]
     else:
-        with ThreadPoolExecutor(jobs) as pool:
+        pool = ThreadPoolExecutor(jobs)
+        try:
             started = list(pool.map(one, wanted))  # the first failure is raised, in config order
+        finally:
+            # not waiting for the other starts: on a failure or SIGTERM the caller's supervisor.stop()
+            # ends their servers, and their threads end with them (a wait would last the start timeout)
+            pool.shutdown(wait=False, cancel_futures=True)
     return {s.config.key: s for s in started}
 
 
@@ -1347,6 +1371,7 @@ def main(argv: list[str] | None = None) -> int:
         "vulkan": "Vulkan device (llvmpipe when no GPU: device memory is host memory, absolute speeds mean little)",
         "cuda": "CUDA device 0",
         "cpu": "no device: the CPU build runs every config on the CPU (checks the plumbing only)",
+        "rpc": "ggml's RPC device: a ggml-rpc-server per llama-server, its CPU backend as the device (plumbing)",
     }[args.backend]
     results = {
         "benchmark": "expert_offload",

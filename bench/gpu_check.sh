@@ -15,6 +15,8 @@
 #   bench/gpu_check.sh                      the GPU check (needs nvidia-smi)
 #   bench/gpu_check.sh --llvmpipe           the same steps on Mesa's software Vulkan device, with a
 #                                           reduced model: the rehearsal on a machine without a GPU
+#   bench/gpu_check.sh --rpc                the rehearsal on ggml's RPC device (the CPU build behind a
+#                                           ggml-rpc-server per llama-server), where llvmpipe faults
 #   bench/gpu_check.sh --prepare            here, with network: fill .bench-gpu/ with what an
 #                                           offline GPU machine lacks (wheels, the ESFT routing npz,
 #                                           the trimmed llama.cpp source); carry .bench-gpu there
@@ -34,6 +36,7 @@ MODE=gpu BINARY="" LAYERS="" BUDGET=495 BUDGETS="50% 25% 12.5%" RUNS="" TOKENS="
 while [ $# -gt 0 ]; do
   case "$1" in
     --llvmpipe) MODE=llvmpipe ;;
+    --rpc) MODE=rpc ;;
     --prepare) MODE=prepare ;;
     --setup-only) SETUP_ONLY=1 ;;
     --binary|--binary-xz) BINARY=$2; shift ;;
@@ -179,11 +182,12 @@ say "python: $PY; PYTHONPATH=$PYTHONPATH"
 
 case "$MODE" in
   gpu) BACKEND=cuda ;;
+  rpc) BACKEND=rpc ;;
   *) BACKEND=vulkan ;;
 esac
 
 # -- 2. the model, written in the background while the binary is unpacked or built ----------------
-if [ "$MODE" = llvmpipe ] && [ -z "$LAYERS" ]; then LAYERS=4; fi
+if [ "$MODE" != gpu ] && [ -z "$LAYERS" ]; then LAYERS=4; fi
 MODEL="$WORK/ds-v2-lite${LAYERS:+-$LAYERS}.gguf"
 SHAPE_ARGS=(--shape ds-v2-lite)
 [ -n "$LAYERS" ] && SHAPE_ARGS+=(--layers "$LAYERS" --vocab 8192)
@@ -207,6 +211,12 @@ with lzma.open(sys.argv[1]) as src, open(sys.argv[2] + ".tmp", "wb") as dst:
     shutil.copyfileobj(src, dst, 1 << 22)
 os.chmod(sys.argv[2] + ".tmp", 0o755)
 os.replace(sys.argv[2] + ".tmp", sys.argv[2])' "$BINARY" "$WORK/bin/llama-server" || finish 1
+    if [ "$MODE" = rpc ]; then  # the RPC build's device server, carried beside it
+      run_step unpack-rpc 90 "$PY" -c 'import lzma, shutil, sys, os
+with lzma.open(sys.argv[1]) as src, open(sys.argv[2], "wb") as dst:
+    shutil.copyfileobj(src, dst, 1 << 22)
+os.chmod(sys.argv[2], 0o755)' "$(dirname "$BINARY")/ggml-rpc-server.xz" "$WORK/bin/ggml-rpc-server" || finish 1
+    fi
     BINARY="$WORK/bin/llama-server"
   fi
   [ -x "$BINARY" ] || { say "error: --binary $BINARY is not an executable file"; finish 2; }
@@ -218,6 +228,8 @@ else
     command -v nvidia-smi >/dev/null || { say "error: no nvidia-smi: not a GPU machine (use --llvmpipe)"; finish 2; }
     ARCH=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d '. ')
     BUILD_ARGS=(--cuda --arch "$ARCH")
+  elif [ "$MODE" = rpc ]; then
+    BUILD_ARGS=(--rpc)
   else
     BUILD_ARGS=(--vulkan)
   fi
@@ -285,12 +297,13 @@ if [ "$MODE" = gpu ]; then
   # caps per step (s): 50% has 11 rows and 2 -np 4 servers, 25% and 12.5% 9 and 8 rows; identity 7
   CAPS=(170 115 100) ID_CAP=100
 else
-  # llvmpipe's device kernels run ~0.5 s a token: one short run of each config. Its MUL_MAT_ID
-  # faults on batches of 3-8 rows (docs/test-bed.md): 2-word prompts (9 tokens), -np 2, no a.
-  # llvmpipe's "device" memory is host memory: a 256 MiB margin a server, not a GPU's 1 GiB, lets the
-  # 13 servers of the 50% run pass the fit check on a 23 GiB machine
+  # The rehearsals (llvmpipe, RPC): one short run of each config, on 2 cores. llvmpipe's MUL_MAT_ID
+  # faults on batches of 3-8 rows (docs/test-bed.md): 2-word prompts (9 tokens), -np 2, no a. Their
+  # "device" memory is host memory: a 256 MiB margin a server, not a GPU's 1 GiB, lets the 13
+  # servers of the 50% run pass the fit check on a 23 GiB machine.
   COMMON+=(--runs "${RUNS:-1}" --tokens "${TOKENS:-4}" --prompt-words 2 --start-jobs 2 --device-margin-mib 256)
   CONCURRENT=2
+  [ "$MODE" = rpc ] && CONCURRENT=4  # no fault on the RPC device: the GPU's -np 4
   ID_ARGS=(--prompts 2 --tokens 4 --prompt-words 2 --slots "7,32")
   CAPS=(600 600 600) ID_CAP=600
 fi
@@ -302,7 +315,7 @@ run_budget() {  # run_budget SHARE CAP: one expert_offload run; the first budget
   name=$(echo "$share" | tr -d '%' | cut -d. -f1)
   if [ "$i" -eq 0 ]; then
     configs="a,$STOCK,d,e,ep,em,el"
-    [ "$MODE" = llvmpipe ] && configs="$STOCK,e,ep,em,el"  # a: a 33-token prompt took 15 min there
+    [ "$MODE" = llvmpipe ] && configs="$STOCK,d,e,ep,em,el"  # a: a 33-token prompt took 15 min there
     more=(--concurrent "$CONCURRENT" --concurrent-configs "cp,e" --gauges)
   else
     configs="$STOCK,e,ep,em,el"

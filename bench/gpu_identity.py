@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     base = argparse.Namespace(
         ubatch=args.ubatch, backend=args.backend, trace_file=None, seq_tags=None, ctx=args.ctx,
         threads=args.threads, no_repack=eo.cpu_has_amx(), start_timeout=args.start_timeout,
-        cache_log_dir=None, e_bytes=0,
+        cache_log_dir=None, e_bytes=0, rpc_threads=2,
     )  # fmt: skip
     token = secrets.token_hex(16)
     prompts = [eo.make_prompt(i, args.prompt_words) for i in range(args.prompts)]

@@ -284,3 +284,11 @@ def test_concurrent_requests_mix_the_domains_of_sequences_no_run_replays(bench, 
     assert bench.subset_trace(tmp_path / "t", [4, 1], tmp_path / "s", six) == ["c", "a"]
     sub = read_route_trace(tmp_path / "s")
     assert sub.n_seq == 2 and (sub.sequence(0) == ids[8:10]).all() and (sub.sequence(1) == ids[2:4]).all()
+
+
+def test_the_rpc_device_s_buffers_are_device_memory(bench):
+    log = "load_tensors: RPC0[127.0.0.1:41234] model buffer size =   311.00 MiB\n"
+    log += "load_tensors:   CPU_Mapped model buffer size =  1.00 MiB"
+    sizes = bench.buffer_sizes(log)
+    assert sizes["RPC0[127.0.0.1:41234]"] == {"model": 311 << 20}
+    assert [n for n in sizes if bench.is_device_buffer(n)] == ["RPC0[127.0.0.1:41234]"]
