@@ -820,6 +820,8 @@ def table(rows: dict[str, dict]) -> str:
     )
     lines = [head, "|" + " --- |" * 11]
     for key, r in rows.items():
+        if r.get("concurrent") is not None or (r["status"] == "measured" and "decode_tokens_per_s" not in r):
+            continue  # an -np N row: its own line under the table
         if r["status"] != "measured":
             lines.append(
                 f"| {key} {r['config']} | {r['what']} | {_mb(r.get('device_expert_bytes'))} | - "

@@ -292,3 +292,11 @@ def test_the_rpc_device_s_buffers_are_device_memory(bench):
     sizes = bench.buffer_sizes(log)
     assert sizes["RPC0[127.0.0.1:41234]"] == {"model": 311 << 20}
     assert [n for n in sizes if bench.is_device_buffer(n)] == ["RPC0[127.0.0.1:41234]"]
+
+
+def test_the_table_leaves_the_concurrent_rows_to_their_own_lines(bench):
+    rows = {
+        "e-np4": {"config": "expert-cache -np 4", "what": "x", "status": "measured", "base": "e", "concurrent": None},
+        "cp-np4": {"config": "n-cpu-moe pinned -np 4", "what": "x", "status": "measured", "concurrent": {"x": 1}},
+    }
+    assert "np4" not in bench.table(rows)
