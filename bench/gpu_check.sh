@@ -21,6 +21,7 @@
 #                                           offline GPU machine lacks (wheels, the ESFT routing npz,
 #                                           the trimmed llama.cpp source); carry .bench-gpu there
 #   bench/gpu_check.sh --setup-only         the Python setup and its import check, then stop
+#   bench/gpu_check.sh --binary-only        ... and the binary: unpacked, its libraries found, --version
 # Options: --binary PATH (skip the build; PATH may end in .xz: unpacked into the work folder),
 # --binary-xz FILE (the same), --layers N (reduce the model), --budget SECONDS (whole check, default
 # 495), --budgets "50% 25% 12.5%", --runs N, --tokens N, --no-identity.
@@ -33,12 +34,14 @@ set -uo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO" || exit 1
 MODE=gpu BINARY="" LAYERS="" BUDGET=495 BUDGETS="50% 25% 12.5%" RUNS="" TOKENS="" IDENTITY=1 SETUP_ONLY=0
+BINARY_ONLY=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --llvmpipe) MODE=llvmpipe ;;
     --rpc) MODE=rpc ;;
     --prepare) MODE=prepare ;;
     --setup-only) SETUP_ONLY=1 ;;
+    --binary-only) BINARY_ONLY=1 ;;
     --binary|--binary-xz) BINARY=$2; shift ;;
     --layers) LAYERS=$2; shift ;;
     --budget) BUDGET=$2; shift ;;
@@ -194,7 +197,7 @@ SHAPE_ARGS=(--shape ds-v2-lite)
 MODEL_PID=""
 if [ -f "$MODEL" ]; then
   say "model: $MODEL (already there)"
-else
+elif [ "$BINARY_ONLY" = 0 ]; then
   # 9.5 GB: 36 s on the 2-core development machine (page-cache writes, one core)
   run_step model 150 "$PY" -m moe_l2_ops.cli make-demo-model "${SHAPE_ARGS[@]}" "$MODEL" &
   MODEL_PID=$!
@@ -274,6 +277,7 @@ for p in sys.path:
 }
 fix_libraries
 run_step version 60 "$BINARY" --version || { say "error: $BINARY does not run (see $LOG)"; wait; finish 1; }
+[ "$BINARY_ONLY" = 1 ] && finish 0
 
 if [ -n "$MODEL_PID" ]; then
   wait "$MODEL_PID" || { say "error: the model was not written (see $LOG)"; finish 1; }

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.metadata as md
 import os
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -160,3 +161,44 @@ def test_the_script_parses(tmp_path):
     assert subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True).returncode == 0
     bad = subprocess.run(["bash", str(SCRIPT), "--frobnicate"], capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown option --frobnicate" in bad.stderr
+
+
+def test_a_carried_binary_finds_its_libraries_in_python_s_nvidia_wheels(tmp_path):
+    """The CUDA binary's RUNPATH names the build machine's cuBLAS folder; on the GPU machine cuBLAS is
+    python3's nvidia/cublas/lib. A stand-in: a program that needs libcublas.so.13 (here a one-function
+    library of that soname, in a folder `site/nvidia/cublas/lib` that only PYTHONPATH names), carried
+    as .xz: gpu_check unpacks it, puts the folder into LD_LIBRARY_PATH and runs its --version."""
+    if not shutil.which("cc") or not shutil.which("xz"):
+        pytest.skip("needs a C compiler and xz")
+    lib = tmp_path / "site" / "nvidia" / "cublas" / "lib"
+    lib.mkdir(parents=True)
+    (tmp_path / "f.c").write_text("int fake_cublas(void) { return 13; }\n")
+    (tmp_path / "main.c").write_text(
+        '#include <stdio.h>\nint fake_cublas(void);\nint main(void) { printf("version %d\\n", fake_cublas()); }\n'
+    )
+    cc = ["cc", "-shared", "-fPIC", "-Wl,-soname,libcublas.so.13", "-o", str(lib / "libcublas.so.13")]
+    subprocess.run([*cc, str(tmp_path / "f.c")], check=True)
+    server = tmp_path / "llama-server"
+    subprocess.run(["cc", "-o", str(server), str(tmp_path / "main.c"), str(lib / "libcublas.so.13")], check=True)
+    subprocess.run(["xz", "-k", str(server)], check=True)
+    assert "not found" in subprocess.run(["ldd", str(server)], capture_output=True, text=True).stdout
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": os.environ.get("HOME", str(tmp_path)),
+        "PYTHONPATH": str(tmp_path / "site"),
+        "GPU_CHECK_PYTHON": sys.executable,
+        "GPU_CHECK_WORK": str(tmp_path / "work"),
+        "OUT": str(tmp_path / "out"),
+    }
+    done = subprocess.run(
+        ["bash", str(SCRIPT), "--binary-only", "--binary", f"{server}.xz"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=REPO,
+    )
+    log = (tmp_path / "out" / "gpu_check.log").read_text()
+    assert done.returncode == 0, log[-3000:]
+    assert "libraries not found: libcublas.so.13" in log and f"LD_LIBRARY_PATH={lib}" in log
+    assert "still not found: none" in log and "version 13" in log
