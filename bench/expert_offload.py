@@ -1316,6 +1316,11 @@ def main(argv: list[str] | None = None) -> int:
             args.trace_file, trace_note = resolve_trace(args, binary, layout, tmp)
             slot_bytes = max(layout.expert_bytes.values())
             args.e_bytes = args.cache_slots * slot_bytes * len(layout.expert_bytes) if args.cache_slots else 0
+            if not args.e_bytes and device_expert_c == 0 and cache_bytes >= slot_bytes * len(layout.expert_bytes):
+                # a budget under one layer's experts: c keeps none on the device, and e at c's bytes
+                # would be off; e gets the budget itself, against the stock rows' 0 (a reduced model's
+                # 25% and 12.5%, as in the rehearsal; the full ds-v2-lite's 12.5% is 3 whole layers)
+                args.e_bytes = cache_bytes
             args.profile_bodies, args.profile_tables, profile_note = None, None, "none"
             esft = args.trace_file is not None and args.trace == "auto"
             args.seq_tags = esft_sequence_tasks(esft_npz()) if esft and args.domains == "esft" else None
