@@ -161,7 +161,8 @@ setup_python() {
   roots=$("$PY" bench/gpu_setup.py roots) || return 1
   for root in $roots; do pp="$pp${pp:+:}$REPO/$root"; done
   export PYTHONPATH="$pp${PYTHONPATH:+:$PYTHONPATH}"
-  if "$PY" bench/gpu_setup.py check; then return 0; fi
+  if "$PY" bench/gpu_setup.py check >"$WORK/check.out" 2>&1; then cat "$WORK/check.out"; return 0; fi
+  echo "before the wheels: $(grep -c '^error: ' "$WORK/check.out") of the modules do not import"
   local site="$WORK/site" wheels=("$PREP"/whl/*.whl)
   if [ ! -e "${wheels[0]}" ]; then
     echo "error: no wheels in $PREP/whl (bench/gpu_check.sh --prepare where a registry answers)"; return 1
