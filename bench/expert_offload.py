@@ -10,6 +10,14 @@ One llama-server per configuration, all on the same model and device, every one 
                    micro-batch uses to the device and computes them there (the path the cache sits on)
   e  expert-cache  --cpu-moe with the expert cache (--moe-cache-bytes) at the device expert bytes of c:
                    used experts computed on the device, only the misses copied (docs/expert-cache.md)
+Variants: bp, cp, dp, ep are b, c, d, e with `--load-mode none` (no mmap: llama.cpp keeps host-resident
+weights in the device's pinned host buffer), so that the best stock row is the best a llama.cpp user
+could configure; em is e with `--load-mode mmap` forced, el e with `--moe-cache-policy lru`; e itself
+names no load mode (the engine chooses, and its "expert cache: host experts" line goes into the JSON).
+The project's rows are set against the best stock row at no more device expert bytes (vs_best_stock).
+--concurrent N measures N concurrent requests on servers of their own (-np N; domains mixed);
+--constants puts bench/gpu_facts.py's machine constants into the JSON beside those the runs give
+(CPU expert GB/s from b, GPU time per token from a); --gauges reads the NVML gauges against nvidia-smi.
 Requests take turns over the servers (one generates at a time, the order rotated each run) so that
 machine noise hits all alike. Every run is two requests per server: the prompt alone (n_predict 1,
 no prompt cache: prompt tokens/s) and then the same prompt with the cache (one token re-evaluated,
@@ -30,9 +38,10 @@ With a route trace (LLAMA_MOE_ROUTE_TRACE, the telemetry patch's test override) 
 exactly the experts DeepSeek-V2-Lite routed on the ESFT prompts; without one the model's own
 (random) router picks them, which the JSON and the table say.
 
-    python bench/expert_offload.py [--backend vulkan|cuda|cpu] [--binary PATH] [--model PATH | --full]
-        [--cache-bytes 50%|4GiB|N] [--configs a,b,c,d,e] [--runs 5] [--tokens 32] [--trace FILE|auto|none]
-        [--out bench/results/expert_offload.json]
+    python bench/expert_offload.py [--backend vulkan|cuda|cpu|rpc] [--binary PATH] [--model PATH | --full]
+        [--cache-bytes 50%|4GiB|N] [--configs a,b,bp,c,cp,d,dp,e,ep,em,el] [--runs 5] [--tokens 32]
+        [--trace FILE|auto|none] [--concurrent 4 --concurrent-configs cp,e] [--constants FILE|measure]
+        [--gauges] [--start-jobs N] [--out bench/results/expert_offload.json] [--log-dir DIR]
 """
 
 from __future__ import annotations
