@@ -285,7 +285,7 @@ if [ -n "$MODEL_PID" ]; then
 fi
 
 # -- 4. the machine's constants, before any server holds the device ---------------------------------
-run_step constants 60 "$PY" bench/gpu_facts.py constants --out "$OUT_DIR/constants.json" >/dev/null
+run_step constants 60 "$PY" bench/gpu_facts.py constants --out "$OUT_DIR/constants.json"
 
 # -- 5. the benchmark at each budget, then greedy identity ------------------------------------------
 if [ -z "${MOE_L2_ROUTING_DATA:-}" ] && [ -f "$PREP/esft_routing_ids_DERIVED.npz" ]; then

@@ -195,10 +195,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     doc = constants(args.expert_bytes) if args.what == "constants" else gauges()
     text = json.dumps(doc, indent=2)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-    print(text)
+    if not args.out:
+        print(text)
+        return 0
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text + "\n")
+    if args.what == "gauges":
+        print(f"gauges -> {args.out}: {doc['compare']}")
+        return 0
+    h2d = doc["h2d"]
+    rates = h2d if "skipped" in h2d else {k: v for k, v in h2d.items() if k.endswith("_gbps") and "best" not in k}
+    print(f"constants -> {args.out}: gpu {doc['gpu']}; h2d {rates}")
     return 0
 
 
