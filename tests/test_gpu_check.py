@@ -202,3 +202,15 @@ def test_a_carried_binary_finds_its_libraries_in_python_s_nvidia_wheels(tmp_path
     assert done.returncode == 0, log[-3000:]
     assert "libraries not found: libcublas.so.13" in log and f"LD_LIBRARY_PATH={lib}" in log
     assert "still not found: none" in log and "version 13" in log
+
+
+def test_the_gauges_are_set_beside_nvidia_smi_s_read():
+    facts = load_bench("gpu_facts")
+    smi = facts.parse_smi_csv("12345 MiB, 143771 MiB, 37 %\n", ("memory.used", "memory.total", "utilization.gpu"))
+    assert smi == {"memory.used": "12345 MiB", "memory.total": "143771 MiB", "utilization.gpu": "37 %"}
+    gpu = {"memory_used_bytes": 12345 << 20, "memory_total_bytes": 143771 << 20, "utilization_ratio": 0.36}
+    got = facts.compare_gauges({"gpus": [gpu]}, smi)
+    assert got["used_diff_mib"] == 0 and got["utilization"] == {"nvml": 0.36, "nvidia_smi": 0.37}
+    assert got["memory_total_bytes"]["nvidia_smi"] == 143771 << 20
+    assert facts.compare_gauges("nvml_report() is None", smi) == "not both read"
+    assert "skipped" in facts.h2d_rates(4_866_048) or facts.h2d_rates(4_866_048)["pinned_expert_gbps"] > 0
