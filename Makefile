@@ -72,6 +72,7 @@ run: $(STAMP)
 # while CI (CI set) builds it anyway, so a missing package is an error there.
 test: $(STAMP)
 	$(MOE) build-llama
+	$(MOE) build-llama --rpc
 	$(if $(or $(CI),$(shell command -v glslc)),$(MOE) build-llama --vulkan)
 	$(PY) -m pytest $(PYTEST_ARGS)
 

@@ -1,12 +1,27 @@
-"""The expert cache in llama-server (patches 0009-0016, `--moe-cache-bytes`), on the software GPU.
+"""The expert cache in llama-server (patches 0009-0021, `--moe-cache-bytes`), on a device.
+
+Which device, and why it proves the claim (docs/test-bed.md, "The RPC device"):
+- Every test runs on the **RPC device**: the RPC build's llama-server with `--rpc` to one
+  ggml-rpc-server (CPU backend) for the session. llama.cpp's scheduler treats it as a GPU: the layers
+  of `-ngl 99` go there, `--cpu-moe` keeps the experts in host memory, the cache's slabs are allocated
+  in its memory, the expert ids are remapped to slots and the misses copied there, over the socket, as
+  they would be over PCIe; its device has events, so the prefetch gets its second backend (patch 0018)
+  as on a GPU. So the cache's remap, slots, policy, preloads, prefetch and counters run their real
+  code, and a token that differs from the cache-off run on the same device is a fault of the cache.
+  The device computes with the CPU backend's kernels: no Mesa fault is in the way (lavapipe faults on
+  some machines, tests/llvmpipe_probe.py), and it is the same on every CI machine.
+- `test_64_tokens_under_the_esft_trace_equal_the_cache_off[vulkan]` runs on **llvmpipe** as well: the
+  slots, copies and events are then a GPU backend's own (ggml-vulkan's buffers and queues). Its 25-token
+  prompt and one-row decode steps are clear of lavapipe's fault, the batches the probe checks.
+- `test_a_cpu_build_refuses_the_cache` and the flag parser's tests run the CPU build: no device at all.
 
 The reduced `ds-v2-lite` shape (3 MoE layers of 64 experts, top-6, Q4_K/Q4_0 experts) runs with its
-experts in host memory (`--cpu-moe`) and the cache on llvmpipe's Vulkan device:
+experts in host memory (`--cpu-moe`) and the cache on the device:
 - greedy tokens equal the same build's with the cache off (`--cpu-moe` alone) at 7 slots per layer
   (one above top-k), 16 (a quarter) and 64 (all), with either policy, and with two concurrent
-  requests. The reference is the Vulkan build, not the CPU one: on this random-weight model the two
-  builds part after 4 greedy tokens (measured 2026-12-02: the device's attention and dense layers
-  round differently), while every Vulkan placement, the cache included, gives the same 8;
+  requests. The reference is the same build and device with the cache off: on Vulkan the device's
+  attention and dense layers round differently from the CPU build (measured 2026-12-02: the two builds
+  part after 4 greedy tokens on this random-weight model), so only the cache is compared;
 - the engine's counters equal the Python replay of its own access log (moe_l2_cache.policy.replay),
   exactly, for `lru` and the default;
 - with the flywheel's routing profile (POST /moe/cache/profile: per-domain priors and cross-layer
@@ -24,9 +39,12 @@ experts in host memory (`--cpu-moe`) and the cache on llvmpipe's Vulkan device:
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -42,17 +60,42 @@ from moe_l2_llama.route_trace import from_esft_npz, write_route_trace
 from moe_l2_llama.settings import LlamaSettings, device_env, llama_server_command, llama_server_env
 from moe_l2_ops.doctor import check_expert_cache
 from moe_l2_ops.stats import OpsSettings, expert_cache_summary, parse_metrics, render_expert_cache
+from tests.conftest import EngineDevice, RpcDevice
 from tests.observability.test_observability import DASHBOARD, metric_names, needs_expert_cache, query_panels
 from tests.test_route_trace import ESFT_NPZ
-from tests.test_vulkan import DS_LAYERS, DS_VOCAB, PROMPTS, Model, assert_on_llvmpipe, greedy, greedy_one, serve
+from tests.test_vulkan import DS_LAYERS, DS_VOCAB, PROMPTS, Model, greedy, greedy_one, serve
 from tests.test_vulkan import models as models  # the module's fixture
 from tests.test_vulkan import settings as base_settings
 
-pytestmark = [pytest.mark.llama, pytest.mark.vulkan, pytest.mark.slow]
+pytestmark = [pytest.mark.llama, pytest.mark.slow]
+
 
 SHAPE = get_shape("ds-v2-lite").reduced(DS_LAYERS, DS_VOCAB)
 N_MOE = DS_LAYERS - SHAPE.n_dense_lead
 EXPERT_BYTES = sizes(SHAPE).expert_bytes  # gate + up + down of one expert: one slot
+
+
+@pytest.fixture
+def device(request: pytest.FixtureRequest) -> EngineDevice:
+    """The device a parametrized test runs on, by the name of its session fixture."""
+    return request.getfixturevalue(request.param)
+
+
+ON_RPC_AND_LLVMPIPE = pytest.mark.parametrize(
+    "device",
+    ["rpc_device", pytest.param("vulkan_device", marks=pytest.mark.vulkan)],
+    indirect=True,
+    ids=["rpc", "vulkan"],
+)
+
+
+@contextmanager
+def serve_on(
+    device: EngineDevice, model: Path, s: LlamaSettings, env: dict[str, str], logs: Path
+) -> Iterator[tuple[httpx.Client, Path]]:
+    """llama-server of the device's build, placed on the device."""
+    with serve(device.binary, model, device.on_device(s), env, logs) as served:
+        yield served
 
 
 def budget(slots: int) -> str:
@@ -77,11 +120,11 @@ N_PREDICT = 8
 _cache_off: dict[str, list[list[int]]] = {}
 
 
-def cache_off_reference(vulkan_binary: Path, model: Model, logs: Path) -> list[list[int]]:
-    """The Vulkan build's greedy tokens with the experts in host memory and no cache, once."""
+def cache_off_reference(device: RpcDevice, model: Model, logs: Path) -> list[list[int]]:
+    """The device's greedy tokens with the experts in host memory and no cache, once."""
     if model.name not in _cache_off:
         s = base_settings(gpu_layers=99, extra_args="--cpu-moe -lv 4")
-        with serve(vulkan_binary, model.path, s, {}, logs) as (client, _):
+        with serve_on(device, model.path, s, {}, logs) as (client, _):
             _cache_off[model.name] = greedy(client, N_PREDICT)
     return _cache_off[model.name]
 
@@ -92,15 +135,15 @@ def cache_off_reference(vulkan_binary: Path, model: Model, logs: Path) -> list[l
     ids=["top-k+1-default", "top-k+1-lru", "quarter-default", "all-default"],
 )
 def test_greedy_tokens_equal_the_cache_off(
-    vulkan_binary: Path, models: dict[str, Model], slots: int, policy: str, tmp_path: Path
+    rpc_device: RpcDevice, models: dict[str, Model], slots: int, policy: str, tmp_path: Path
 ) -> None:
     model = models["ds-v2-lite"]
-    expected = cache_off_reference(vulkan_binary, model, tmp_path)
-    with serve(vulkan_binary, model.path, cache_settings(slots, policy), {}, tmp_path) as (client, log_path):
+    expected = cache_off_reference(rpc_device, model, tmp_path)
+    with serve_on(rpc_device, model.path, cache_settings(slots, policy), {}, tmp_path) as (client, log_path):
         got = greedy(client, N_PREDICT)
         hits, accesses, loads = (metric(client, f"moe_cache_{m}_total") for m in ("hits", "accesses", "loads"))
         log_text = log_path.read_text(errors="replace")
-    assert_on_llvmpipe(log_text)
+    rpc_device.assert_holds_the_model(log_text)
     assert f"expert cache: {slots} of {SHAPE.n_expert} experts per layer" in log_text
     assert got == expected
     assert accesses > 0 and loads > 0 and loads == accesses - hits
@@ -110,13 +153,13 @@ def test_greedy_tokens_equal_the_cache_off(
 
 @pytest.mark.parametrize("policy", ["lru", "default"])
 def test_the_engine_counts_what_the_python_policy_replays(
-    vulkan_binary: Path, models: dict[str, Model], policy: str, tmp_path: Path
+    rpc_device: RpcDevice, models: dict[str, Model], policy: str, tmp_path: Path
 ) -> None:
     model = models["ds-v2-lite"]
     log = tmp_path / "access.log"
     slots = 16
     env = {"LLAMA_MOE_CACHE_LOG": str(log)}
-    with serve(vulkan_binary, model.path, cache_settings(slots, policy), env, tmp_path) as (client, _):
+    with serve_on(rpc_device, model.path, cache_settings(slots, policy), env, tmp_path) as (client, _):
         greedy(client, 12)
         engine = {m: metric(client, f"moe_cache_{m}_total") for m in ("accesses", "hits", "loads", "bypass")}
     accesses = read_access_log(log)
@@ -128,17 +171,17 @@ def test_the_engine_counts_what_the_python_policy_replays(
 
 @pytest.mark.parametrize("policy", ["lru", "default"])
 def test_a_hot_set_preloads_the_cache_as_the_replay_does(
-    vulkan_binary: Path, models: dict[str, Model], policy: str, tmp_path: Path
+    rpc_device: RpcDevice, models: dict[str, Model], policy: str, tmp_path: Path
 ) -> None:
     model = models["ds-v2-lite"]
-    expected = cache_off_reference(vulkan_binary, model, tmp_path)
+    expected = cache_off_reference(rpc_device, model, tmp_path)
     log = tmp_path / "access.log"
     slots = 16
     s = cache_settings(slots, policy).model_copy(update={"admin_token": TOKEN})
     # per MoE layer 12 experts, most used first: the cache takes the first 16 - 6 and keeps its 6 best
     hot = list(range(63, 51, -1))
     moe_layers = range(SHAPE.n_dense_lead, DS_LAYERS)
-    with serve(vulkan_binary, model.path, s, {"LLAMA_MOE_CACHE_LOG": str(log)}, tmp_path) as (client, _):
+    with serve_on(rpc_device, model.path, s, {"LLAMA_MOE_CACHE_LOG": str(log)}, tmp_path) as (client, _):
         first = greedy_one(client, PROMPTS[0], N_PREDICT)
         assert metric(client, "moe_cache_preload_total") == 0
         resp = client.post(
@@ -164,11 +207,11 @@ def test_a_hot_set_preloads_the_cache_as_the_replay_does(
 
 
 def test_two_concurrent_requests_get_the_tokens_they_get_alone(
-    vulkan_binary: Path, models: dict[str, Model], tmp_path: Path
+    rpc_device: RpcDevice, models: dict[str, Model], tmp_path: Path
 ) -> None:
     model = models["ds-v2-lite"]
-    expected = cache_off_reference(vulkan_binary, model, tmp_path)
-    with serve(vulkan_binary, model.path, cache_settings(SHAPE.n_expert_used + 2, parallel=2), {}, tmp_path) as (
+    expected = cache_off_reference(rpc_device, model, tmp_path)
+    with serve_on(rpc_device, model.path, cache_settings(SHAPE.n_expert_used + 2, parallel=2), {}, tmp_path) as (
         client,
         _,
     ):
@@ -185,12 +228,15 @@ def post_profile(client: httpx.Client, profile: ExpertCacheProfile, token: str =
 
 
 @pytest.mark.skipif(not ESFT_NPZ.is_file(), reason=f"the ESFT routing data is not at {ESFT_NPZ}")
+@ON_RPC_AND_LLVMPIPE
 def test_64_tokens_under_the_esft_trace_equal_the_cache_off(
-    vulkan_binary: Path, models: dict[str, Model], tmp_path: Path
+    device: EngineDevice, models: dict[str, Model], tmp_path: Path
 ) -> None:
     """The routing DeepSeek-V2-Lite had on an ESFT prompt (LLAMA_MOE_ROUTE_TRACE), 64 greedy tokens, a
     quarter of the experts in the cache with the default policy prefetching by a profile fitted on
-    other sequences of the same task: the tokens equal the cache-off run's."""
+    other sequences of the same task: the tokens equal the cache-off run's. On both devices: on
+    llvmpipe the slots, copies and the second backend's events are ggml-vulkan's own (a GPU backend's
+    buffers and queues), with a 25-token prompt and one-row decode steps, clear of lavapipe's fault."""
     model = models["ds-v2-lite"]
     law = from_esft_npz(ESFT_NPZ, tasks=["law"], seqs=slice(0, 30), layers=N_MOE)
     trace = tmp_path / "law.trace"
@@ -202,12 +248,14 @@ def test_64_tokens_under_the_esft_trace_equal_the_cache_off(
     n_tokens = 64
 
     off = base_settings(gpu_layers=99, extra_args="--cpu-moe -lv 4")
-    with serve(vulkan_binary, model.path, off, env, tmp_path) as (client, _):
+    with serve_on(device, model.path, off, env, tmp_path) as (client, _):
         expected = greedy_one(client, PROMPTS[1], n_tokens, headers)
 
     on = cache_settings(16).model_copy(update={"admin_token": TOKEN})
-    with serve(vulkan_binary, model.path, on, env, tmp_path) as (client, log_path):
-        assert COPY_STREAM_LINE in log_path.read_text()  # the prefetch's copies run on a second backend
+    with serve_on(device, model.path, on, env, tmp_path) as (client, log_path):
+        log_text = log_path.read_text()
+        device.assert_holds_the_model(log_text)
+        assert copy_stream_line(device) in log_text  # the prefetch's copies run on a second backend
         body = ExpertCacheProfile.from_tables(
             "logic", freq=fitted.domain_freq["logic"], transitions=fitted.domain_transitions["logic"]
         )
@@ -228,7 +276,7 @@ def domain_counters(client: httpx.Client) -> dict[str, tuple[int, int]]:
 
 @pytest.mark.skipif(not ESFT_NPZ.is_file(), reason=f"the ESFT routing data is not at {ESFT_NPZ}")
 def test_two_concurrent_requests_of_two_domains_with_prefetch_get_the_tokens_they_get_alone(
-    vulkan_binary: Path, models: dict[str, Model], tmp_path: Path
+    rpc_device: RpcDevice, models: dict[str, Model], tmp_path: Path
 ) -> None:
     """-np 2, a request of each domain at once, each domain with its own prior and transitions (fitted on
     two ESFT tasks, cut to the model's layers): the cache prefetches and switches tables between
@@ -240,7 +288,7 @@ def test_two_concurrent_requests_of_two_domains_with_prefetch_get_the_tokens_the
     # so the second asks for more tokens and decodes its last ones alone, whatever the timing.
     lengths = (N_PREDICT, 3 * N_PREDICT)
     off = base_settings(gpu_layers=99, extra_args="--cpu-moe -lv 4")
-    with serve(vulkan_binary, model.path, off, {}, tmp_path) as (client, _):
+    with serve_on(rpc_device, model.path, off, {}, tmp_path) as (client, _):
         expected = [greedy_one(client, PROMPTS[i], lengths[i]) for i in (0, 1)]
     law = from_esft_npz(ESFT_NPZ, tasks=["law"], seqs=slice(0, 20), layers=N_MOE)
     translation = from_esft_npz(ESFT_NPZ, tasks=["translation"], seqs=slice(0, 20), layers=N_MOE)
@@ -262,7 +310,7 @@ def test_two_concurrent_requests_of_two_domains_with_prefetch_get_the_tokens_the
             )
 
     on = cache_settings(SHAPE.n_expert_used + 2, parallel=2).model_copy(update={"admin_token": TOKEN})
-    with serve(vulkan_binary, model.path, on, {}, tmp_path) as (client, _):
+    with serve_on(rpc_device, model.path, on, {}, tmp_path) as (client, _):
         assert all(post_profile(client, body).status_code == 200 for body in bodies)
         got = both_at_once(client, lengths)
         prefetched = metric(client, "moe_cache_prefetch_total")
@@ -284,7 +332,7 @@ def test_two_concurrent_requests_of_two_domains_with_prefetch_get_the_tokens_the
     every = cache_settings(SHAPE.n_expert, parallel=2).model_copy(
         update={"admin_token": TOKEN, "extra_args": "--cpu-moe -lv 4 -kvu"}
     )
-    with serve(vulkan_binary, model.path, every, {"LLAMA_MOE_ROUTE_TRACE": str(one_sequence)}, tmp_path) as (
+    with serve_on(rpc_device, model.path, every, {"LLAMA_MOE_ROUTE_TRACE": str(one_sequence)}, tmp_path) as (
         client,
         _,
     ):
@@ -308,7 +356,7 @@ def test_two_concurrent_requests_of_two_domains_with_prefetch_get_the_tokens_the
 
 @pytest.mark.skipif(not ESFT_NPZ.is_file(), reason=f"the ESFT routing data is not at {ESFT_NPZ}")
 def test_the_flywheel_profile_drives_prefetch_exactly_as_the_python_policy(
-    vulkan_binary: Path, models: dict[str, Model], tmp_path: Path
+    rpc_device: RpcDevice, models: dict[str, Model], tmp_path: Path
 ) -> None:
     model = models["ds-v2-lite"]
     # two ESFT tasks, a few sequences each, cut to the model's 3 MoE layers: the server replays them as its
@@ -343,13 +391,13 @@ def test_the_flywheel_profile_drives_prefetch_exactly_as_the_python_policy(
     requests = [(PROMPTS[i % 2], "logic") for i in range(3)] + [(PROMPTS[i % 2], "translate") for i in range(3)]
 
     off = base_settings(gpu_layers=99, extra_args="--cpu-moe -lv 4")
-    with serve(vulkan_binary, model.path, off, env, tmp_path) as (client, _):
+    with serve_on(rpc_device, model.path, off, env, tmp_path) as (client, _):
         expected = [greedy_one(client, p, N_PREDICT, {"X-MoE-Domain": d}) for p, d in requests]
 
     slots = 16
     log = tmp_path / "access.log"
     on = cache_settings(slots).model_copy(update={"admin_token": TOKEN})
-    with serve(vulkan_binary, model.path, on, {**env, "LLAMA_MOE_CACHE_LOG": str(log)}, tmp_path) as (client, _):
+    with serve_on(rpc_device, model.path, on, {**env, "LLAMA_MOE_CACHE_LOG": str(log)}, tmp_path) as (client, _):
         # bad bodies are 400s that say what is wrong, a wrong token a 401; nothing is applied
         wrong = ExpertCacheProfile.from_tables(None, transitions=fitted.transitions[:1])
         resp = post_profile(client, wrong)
@@ -433,10 +481,10 @@ def test_the_flywheel_profile_drives_prefetch_exactly_as_the_python_policy(
 
 
 def test_the_profile_endpoint_says_when_the_cache_is_off(
-    vulkan_binary: Path, models: dict[str, Model], tmp_path: Path
+    rpc_device: RpcDevice, models: dict[str, Model], tmp_path: Path
 ) -> None:
     off = base_settings(gpu_layers=99, extra_args="--cpu-moe").model_copy(update={"admin_token": TOKEN})
-    with serve(vulkan_binary, models["ds-v2-lite"].path, off, {}, tmp_path) as (client, _):
+    with serve_on(rpc_device, models["ds-v2-lite"].path, off, {}, tmp_path) as (client, _):
         resp = post_profile(client, ExpertCacheProfile(domain="logic"))
         shape = client.get("/moe/cache")
         doctor = check_expert_cache(OpsSettings(llama_url=str(client.base_url)))
@@ -463,25 +511,32 @@ def run_until_ready_or_exit(cmd: list[str], env: dict[str, str], timeout: float 
 
 
 def start(binary: Path, model: Path, s: LlamaSettings, extra: dict[str, str] | None = None) -> tuple[int | None, str]:
-    import os
-
     env = {**os.environ, **llama_server_env(s), **device_env(binary), **(extra or {})}
     return run_until_ready_or_exit(llama_server_command(binary, model, s), env)
 
 
-COPY_STREAM_LINE = "expert cache: prefetch copies on a second Vulkan0 backend, overlapping compute"
+def start_on(
+    device: EngineDevice, model: Path, s: LlamaSettings, extra: dict[str, str] | None = None
+) -> tuple[int | None, str]:
+    return start(device.binary, model, device.on_device(s), extra)
+
+
+def copy_stream_line(device: EngineDevice) -> str:
+    return f"expert cache: prefetch copies on a second {device.device} backend, overlapping compute"
 
 
 @pytest.mark.parametrize(
     ("policy", "env", "line"),
-    [("default", {}, COPY_STREAM_LINE),
+    [("default", {}, "second"),
      ("default", {"LLAMA_MOE_CACHE_COPY_STREAM": "0"}, "expert cache: prefetch copies on the compute queue"),
      ("hybrid", {}, None)],
 )  # fmt: skip
 def test_the_log_says_where_the_prefetch_copies_go(
-    vulkan_binary: Path, models: dict[str, Model], policy: str, env: dict[str, str], line: str | None
+    rpc_device: RpcDevice, models: dict[str, Model], policy: str, env: dict[str, str], line: str | None
 ) -> None:
-    code, log = start(vulkan_binary, models["ds-v2-lite"].path, cache_settings(16, policy), env)
+    """ggml-rpc's device has events, so the prefetch gets its second backend there as on a GPU."""
+    line = copy_stream_line(rpc_device) if line == "second" else line
+    code, log = start_on(rpc_device, models["ds-v2-lite"].path, cache_settings(16, policy), env)
     assert code is None, log[-2000:]
     said = [s for s in log.splitlines() if "prefetch copies" in s]
     if line is None:  # no prefetch: no second backend, nothing to say
@@ -490,8 +545,8 @@ def test_the_log_says_where_the_prefetch_copies_go(
         assert len(said) == 1 and line in said[0], log[-2000:]
 
 
-def test_a_budget_below_top_k_refuses_to_start_with_one_line(vulkan_binary: Path, models: dict[str, Model]) -> None:
-    code, log = start(vulkan_binary, models["ds-v2-lite"].path, cache_settings(SHAPE.n_expert_used - 1))
+def test_a_budget_below_top_k_refuses_to_start_with_one_line(rpc_device: RpcDevice, models: dict[str, Model]) -> None:
+    code, log = start_on(rpc_device, models["ds-v2-lite"].path, cache_settings(SHAPE.n_expert_used - 1))
     assert code not in (None, 0), log[-2000:]
     lines = [line for line in log.splitlines() if "expert cache:" in line]
     assert len(lines) == 1, log[-2000:]
@@ -499,9 +554,9 @@ def test_a_budget_below_top_k_refuses_to_start_with_one_line(vulkan_binary: Path
     assert f"fewer than the {SHAPE.n_expert_used} experts a token uses: at least {needed} bytes" in lines[0]
 
 
-def test_experts_all_on_the_device_run_without_the_cache(vulkan_binary: Path, models: dict[str, Model]) -> None:
+def test_experts_all_on_the_device_run_without_the_cache(rpc_device: RpcDevice, models: dict[str, Model]) -> None:
     s = cache_settings(16).model_copy(update={"extra_args": "-lv 4"})  # no --cpu-moe
-    code, log = start(vulkan_binary, models["ds-v2-lite"].path, s)
+    code, log = start_on(rpc_device, models["ds-v2-lite"].path, s)
     assert code is None, log[-2000:]
     assert "expert cache off: no expert weights are in host memory" in log
 
@@ -525,29 +580,29 @@ def slots_of(log: str) -> int:
     return int(found[1])
 
 
-def test_a_share_of_the_free_device_memory_sizes_the_cache(vulkan_binary: Path, models: dict[str, Model]) -> None:
+def test_a_share_of_the_free_device_memory_sizes_the_cache(rpc_device: RpcDevice, models: dict[str, Model]) -> None:
     """--moe-cache-bytes N%: the share of the device memory the weights and the KV cache leave free, read
     from the device when the context is created; the slots are what those bytes hold."""
     path = models["ds-v2-lite"].path
-    code, log = start(vulkan_binary, path, cache_settings(16).model_copy(update={"expert_cache_bytes": "100%"}))
+    code, log = start_on(rpc_device, path, cache_settings(16).model_copy(update={"expert_cache_bytes": "100%"}))
     assert code is None, log[-2000:]
     pct, free_mib, device, mib = share_line(log)
-    assert (pct, device) == (100, "Vulkan0") and free_mib > 0 and abs(mib - free_mib) < 0.01
+    assert (pct, device) == (100, rpc_device.device) and free_mib > 0 and abs(mib - free_mib) < 0.01
     assert slots_of(log) == SHAPE.n_expert  # more than every expert needs: all of them, and no more
 
     per_slot = EXPERT_BYTES * N_MOE  # one slot in each cached layer
     share = 100 * 16.5 * per_slot / (free_mib * 2**20)  # about 16 slots, at what the device had free just now
     about_16 = cache_settings(16).model_copy(update={"expert_cache_bytes": f"{share:.6f}%"})
-    code, log = start(vulkan_binary, path, about_16)
+    code, log = start_on(rpc_device, path, about_16)
     assert code is None, log[-2000:]
     _, _, _, mib = share_line(log)
     assert slots_of(log) in {int((mib + d) * 2**20 // per_slot) for d in (-0.005, 0.005)}  # MiB to 2 decimals
     assert 8 <= slots_of(log) <= 24, "the device's free memory moved by more than half between two starts"
 
 
-def test_a_share_too_small_for_top_k_refuses_to_start(vulkan_binary: Path, models: dict[str, Model]) -> None:
+def test_a_share_too_small_for_top_k_refuses_to_start(rpc_device: RpcDevice, models: dict[str, Model]) -> None:
     s = cache_settings(16).model_copy(update={"expert_cache_bytes": "0.0001%"})
-    code, log = start(vulkan_binary, models["ds-v2-lite"].path, s)
+    code, log = start_on(rpc_device, models["ds-v2-lite"].path, s)
     assert code not in (None, 0), log[-2000:]
     share_line(log)
     assert f"fewer than the {SHAPE.n_expert_used} experts a token uses" in log

@@ -2,9 +2,15 @@
 each domain's prior, one row per layer the cache holds, and come back after llama loses them; the
 transitions llama counts (patch 0017) come back as the tables its prefetch predicts with.
 
-End to end on real parts: the Vulkan llama-server on llvmpipe with the expert cache on the reduced
-ds-v2-lite shape, placed with --n-cpu-moe so that the cache holds only some MoE layers; real Redis;
-the cache-manager as a process, pulling llama's routing counts and pushing the priors."""
+End to end on real parts: llama-server with the expert cache on the reduced ds-v2-lite shape, placed
+with --n-cpu-moe so that the cache holds only some MoE layers; real Redis; the cache-manager as a
+process, pulling llama's routing counts and pushing the priors.
+
+The two end-to-end tests run on the RPC device (the RPC build with `--rpc` to the session's
+ggml-rpc-server, tests/conftest.py): what they claim is that the tables reach the cache of the layers it
+holds and drive its prefetch, which is the cache's own code on any device; the RPC device places layers
+and slots as a GPU does and is free of lavapipe's fault (tests/llvmpipe_probe.py), so they run on every
+CI machine. The feeder's wait without a cache runs against the CPU build, which has no cache."""
 
 from __future__ import annotations
 
@@ -20,12 +26,12 @@ from moe_l2_cache.engine_cache import domain_prior
 from moe_l2_contracts.schemas.llama import ExpertCacheProfile, ExpertCacheShape
 from moe_l2_llama.settings import LlamaSettings, counts_transitions
 from moe_l2_ops.stats import parse_metrics
-from tests.test_expert_cache import EXPERT_BYTES, SHAPE, metric
-from tests.test_vulkan import PROMPTS, Model, greedy_one, serve
+from tests.test_expert_cache import EXPERT_BYTES, SHAPE, metric, serve_on
+from tests.test_vulkan import PROMPTS, Model, greedy_one
 from tests.test_vulkan import models as models  # the module's fixture
 from tests.test_vulkan import settings as base_settings
 
-from ..conftest import ADMIN_HEADERS, LlamaServer
+from ..conftest import ADMIN_HEADERS, LlamaServer, RpcDevice
 from .conftest import CacheManager, RedisServer
 
 
@@ -80,17 +86,16 @@ def cache_shape(client: httpx.Client) -> ExpertCacheShape:
 
 
 @pytest.mark.llama
-@pytest.mark.vulkan
 @pytest.mark.slow
 def test_the_flywheel_tables_reach_the_cache_of_the_layers_it_holds(
-    vulkan_binary: Path,
+    rpc_device: RpcDevice,
     models: dict[str, Model],
     redis_server: RedisServer,
     start_cache_manager: Callable[..., CacheManager],
     tmp_path: Path,
 ) -> None:
     model = models["ds-v2-lite"]
-    with serve(vulkan_binary, model.path, two_layer_cache(), {}, tmp_path) as (client, _):
+    with serve_on(rpc_device, model.path, two_layer_cache(), {}, tmp_path) as (client, _):
         shape = cache_shape(client)
         assert (shape.layers, shape.n_slot, shape.n_expert, shape.profile) == ([1, 2], 16, SHAPE.n_expert, [])
         assert shape.slot_bytes == EXPERT_BYTES and shape.device_bytes >= 16 * 2 * EXPERT_BYTES
@@ -126,10 +131,9 @@ def test_the_flywheel_tables_reach_the_cache_of_the_layers_it_holds(
 
 
 @pytest.mark.llama
-@pytest.mark.vulkan
 @pytest.mark.slow
 def test_learned_transitions_reach_the_cache_and_drive_its_prefetch(
-    vulkan_binary: Path,
+    rpc_device: RpcDevice,
     models: dict[str, Model],
     redis_server: RedisServer,
     start_cache_manager: Callable[..., CacheManager],
@@ -140,7 +144,7 @@ def test_learned_transitions_reach_the_cache_and_drive_its_prefetch(
     s = two_layer_cache()
     assert counts_transitions(s)  # on with the cache, unless MOE_L2_LLAMA_TRANSITIONS says otherwise
     codegen = {"X-MoE-Domain": "codegen"}
-    with serve(vulkan_binary, model.path, s, {}, tmp_path) as (client, _):
+    with serve_on(rpc_device, model.path, s, {}, tmp_path) as (client, _):
         # without tables the default policy has nothing to predict with: no prefetch
         alone = greedy_one(client, PROMPTS[1], 8, codegen)
         assert metric(client, "moe_cache_prefetch_total") == 0
