@@ -192,6 +192,9 @@ SERIES = [
     "0019-expert-cache-preload.patch",
     "0020-server-hot-set-preload.patch",
     "0021-moe-willneed.patch",
+    "0022-sched-expert-cache-copy.patch",
+    "0023-expert-cache-prefill.patch",
+    "0024-expert-cache-host-memory.patch",
 ]
 
 

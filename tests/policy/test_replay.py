@@ -47,6 +47,18 @@ def test_the_log_is_read_and_bypassed_accesses_are_skipped(tmp_path: Path):
     assert counts.hit_rate == pytest.approx(0.25)
 
 
+@pytest.mark.parametrize("policy", ["lru", "hybrid", "default"])
+def test_a_bypass_counts_its_resident_experts_and_leaves_residency_alone(tmp_path: Path, policy: str):
+    """Patch 0023: a micro-batch over the slots takes its resident experts from their slots. The replay
+    counts them as the engine does (bypass_hits), and the bypass changes nothing after it."""
+    log = tmp_path / "access.log"
+    # layer 0 holds {1, 2}; the prompt uses 1, 2, 3, 5 (two resident); then 1 and 2 hit again
+    log.write_text("1 0 0 - 1 2\n2 0 1 - 1 2 3 5\n3 0 1 - 0 4 6 7\n4 0 0 - 1 2\n")
+    counts = replay_accesses(read_access_log(log), policy, n_layer=1, n_expert=8, capacity=2, top_k=2)
+    assert (counts.bypass, counts.bypass_hits) == (2, 2)
+    assert (counts.accesses, counts.hits, counts.loads) == (4, 2, 2)
+
+
 def test_a_preload_brings_its_experts_in_as_a_prefetch_and_keeps_the_recent_ones(tmp_path: Path):
     log = tmp_path / "access.log"
     # 4 slots: 1 2 3 then 4 are used; a preload of 7 and 6 evicts two of the least recently used 1 2 3 (used

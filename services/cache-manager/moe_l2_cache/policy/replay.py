@@ -7,8 +7,10 @@ with LLAMA_MOE_CACHE_LOG=<file> (test only), it writes one line per micro-batch 
 
 the distinct experts the micro-batch's tokens selected at that layer (layer counts the cached MoE layers
 from 0), and the micro-batch's domain (`-` for none: no tag, or sequences of several domains). A line
-with bypass 1 used more experts than the layer has slots: the engine copied them without the cache and
-left its residency alone, so the replay skips it too. A line with `P` in place of bypass is a preload
+with bypass 1 used more experts than the layer has slots: the engine computed it on a full-size copy of the
+layer's experts and left its residency alone, so the replay does not change residency either; it counts
+the used experts that were resident then (`bypass_hits`: the engine copied those from their slots on the
+device, patch 0023, and only the others from host memory). A line with `P` in place of bypass is a preload
 (a domain's hot set, POST /moe/hot-set, before that micro-batch): the experts brought in as a prefetch
 would be, already cut to the slots the engine gives a preload (n_slot - top-k).
 
@@ -61,6 +63,7 @@ class ReplayCounts:
     hits: int
     loads: int  # misses copied in (demand loads)
     bypass: int  # accesses over capacity, not replayed
+    bypass_hits: int = 0  # used experts of those accesses that were resident then (copied from slots)
     prefetch: int = 0  # experts copied in ahead of use
     prefetch_used: int = 0  # of those, the ones the layer then used
     # domain (None: none, or several) -> (prefetch, prefetch_used) of the micro-batches of that domain
@@ -125,7 +128,7 @@ def replay_accesses(
     )
     cache.on_domain(None)
     domain: str | None = None
-    hits = total = bypass = preloaded = 0
+    hits = total = bypass = bypass_hits = preloaded = 0
     by_domain: dict[str | None, list[int]] = {}
     filled_by: list[str | None] = [None] * n_layer  # the domain whose prefetch last loaded into each layer
     for access in accesses:
@@ -133,6 +136,7 @@ def replay_accesses(
             raise PolicyError(f"access at layer {access.layer}, but the cache has {n_layer} layers")
         if access.bypass:
             bypass += 1
+            bypass_hits += len(cache.resident(access.layer).intersection(access.experts))
             continue
         if access.preload:
             preloaded += cache.preload(access.layer, access.experts)  # type: ignore[attr-defined]
@@ -156,10 +160,13 @@ def replay_accesses(
             hits=hits,
             loads=int(cache.inner.loads),
             bypass=bypass,
+            bypass_hits=bypass_hits,
             prefetch=cache.stats.loads,
             prefetch_used=cache.stats.used,
             prefetch_by_domain={d: (p, u) for d, (p, u) in by_domain.items()},
             preload=preloaded,
         )
     loads = int(cache.loads)  # type: ignore[attr-defined]  # every policy of the registry counts loads
-    return ReplayCounts(accesses=total, hits=hits, loads=loads, bypass=bypass, preload=preloaded)
+    return ReplayCounts(
+        accesses=total, hits=hits, loads=loads, bypass=bypass, bypass_hits=bypass_hits, preload=preloaded
+    )
