@@ -120,6 +120,8 @@ class Config:
     base: str = ""
     load_mode: str | None = None  # --load-mode; None: the server's default (the engine chooses)
     policy: str | None = None  # --moe-cache-policy (e only); None: the project's default
+    args: tuple[str, ...] = ()  # more llama-server arguments
+    env: tuple[tuple[str, str], ...] = ()  # more environment
 
     def __post_init__(self) -> None:
         if not self.base:
@@ -146,6 +148,30 @@ CONFIGS: dict[str, Config] = {
         Config("ep", "expert-cache pinned", f"e with {PINNED} (forced)", "e", "none"),
         Config("em", "expert-cache mmap", "e with --load-mode mmap (forced): misses from the mapping", "e", "mmap"),
         Config("el", "expert-cache lru", "e with --moe-cache-policy lru", "e", None, "lru"),
+        Config(
+            "ed",
+            "expert-cache mmap direct",
+            "em without the staging ring: misses copied from the mapping by the driver",
+            "e",
+            "mmap",
+            args=("--moe-cache-staging", "off"),
+        ),
+        Config(
+            "en",
+            "expert-cache one queue",
+            "e with the prefetch's copies on the compute queue (LLAMA_MOE_CACHE_COPY_STREAM=0): what the "
+            "second stream's overlap gains",
+            "e",
+            env=(("LLAMA_MOE_CACHE_COPY_STREAM", "0"),),
+        ),
+        Config(
+            "er",
+            "expert-cache pinned refused",
+            "ep with pinned memory refused (GGML_CUDA_NO_PINNED=1): the fallback, and its one line",
+            "e",
+            "none",
+            env=(("GGML_CUDA_NO_PINNED", "1"),),
+        ),
     )
 }
 NOT_BUILT = "not in this binary: its build has no expert cache (patch 0010)"
@@ -173,7 +199,9 @@ def parse_concurrent(text: str, n: int) -> list[Config]:
     if unknown:
         raise BenchError(f"--concurrent-configs: unknown config {', '.join(unknown)}")
     return [
-        Config(f"{c.key}-np{n}", f"{c.name} -np {n}", f"{c.what}; -np {n}", c.base, c.load_mode, c.policy)
+        Config(
+            f"{c.key}-np{n}", f"{c.name} -np {n}", f"{c.what}; -np {n}", c.base, c.load_mode, c.policy, c.args, c.env
+        )
         for c in (CONFIGS[k] for k in dict.fromkeys(keys))
     ]
 
@@ -434,6 +462,8 @@ def server_plan(
         min_batch = 1
     if config.load_mode:
         extra += ["--load-mode", config.load_mode]
+    extra += list(config.args)
+    env.update(dict(config.env))
     if config.base == "e" and getattr(args, "cache_log_dir", None):
         # what the replay below checks the counters against, one log per cache server
         env["LLAMA_MOE_CACHE_LOG"] = str(args.cache_log_dir / f"{config.key}-access.log")
@@ -853,14 +883,15 @@ def table(rows: dict[str, dict]) -> str:
 # -- against the best stock placement, and the cost model's constants -------------------------------
 
 HOST_EXPERTS_LOG = "expert cache: host experts"  # the engine's one line saying where it keeps the experts
+MISSES_FROM_LOG = "expert cache: misses are copied from"  # the cache's line: pinned, or pageable and why
 
 
 def host_experts_line(log_text: str) -> str | None:
-    """The engine's line naming its choice of host memory for the experts (pinned or mapped), if any."""
-    for line in log_text.splitlines():
-        if HOST_EXPERTS_LOG in line:
-            return line.strip()
-    return None
+    """The engine's lines naming its choice of host memory for the experts (pinned or mapped) and where
+    the cache's misses come from (pinned, or pageable: mapped or refused; through the ring or not),
+    joined by " | ", if any."""
+    found = [line.strip() for line in log_text.splitlines() if HOST_EXPERTS_LOG in line or MISSES_FROM_LOG in line]
+    return " | ".join(found) or None
 
 
 def versus_best_stock(rows: Mapping[str, dict]) -> dict[str, dict]:

@@ -80,7 +80,27 @@ def cpu_facts() -> dict:
     except OSError:
         pass
     affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-    return {"model": model, "cpu_count": os.cpu_count(), "usable_cpus": affinity, "platform": platform.platform()}
+    return {
+        "model": model,
+        "cpu_count": os.cpu_count(),
+        "usable_cpus": affinity,
+        "platform": platform.platform(),
+        "meminfo": meminfo(),
+    }
+
+
+def meminfo() -> dict[str, int]:
+    """MemTotal and MemAvailable in bytes: the engine pins the experts only when the model and a margin fit
+    in MemAvailable (patch 0024), and a lent machine's memory may start small and grow as it is used."""
+    out: dict[str, int] = {}
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            if key in ("MemTotal", "MemAvailable"):
+                out[key] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
 
 
 def gbps(n_bytes: int, seconds: float) -> float:
