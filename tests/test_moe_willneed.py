@@ -7,6 +7,11 @@ the page cache, as the RAM tier does, so what a request brings in is what the en
 (Unlocked, a non-expert page sharing a large folio with an expert would leave with it, and its next
 fault would read around it: that is the tier's reason to lock them.) The experts the request chose
 come from llama's own routing telemetry.
+
+Every test runs the CPU build, no device: what they claim is which bytes of the mapped file the engine
+asks the kernel for, and the page cache is the same whatever device computes with the experts (with
+`--cpu-moe` on a GPU build the experts are read from the same mapping). So neither llvmpipe nor the RPC
+device would prove more here.
 """
 
 from __future__ import annotations
