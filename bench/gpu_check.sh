@@ -263,6 +263,8 @@ for p in sys.path:
     done
     ls -d /usr/local/cuda/lib64 /usr/local/cuda/targets/*/lib /usr/local/cuda-*/lib64 \
       /usr/local/cuda-*/targets/*/lib 2>/dev/null
+    # last: libraries carried from the build machine (e.g. libgomp.so.1, which ggml-cpu links)
+    ls -d "$PREP/lib" 2>/dev/null
   } | awk '!seen[$0]++')
   for lib in $missing; do
     found=""
