@@ -24,7 +24,7 @@
 #   bench/gpu_check.sh --binary-only        ... and the binary: unpacked, its libraries found, --version
 # Options: --binary PATH (skip the build; PATH may end in .xz: unpacked into the work folder),
 # --binary-xz FILE (the same), --layers N (reduce the model), --budget SECONDS (whole check, default
-# 540), --budgets "50% 25% 12.5%", --runs N, --tokens N, --no-identity.
+# 540), --budgets "50% 25%" (add 12.5% for 7 slots), --runs N, --tokens N, --no-identity.
 # Environment: GPU_CHECK_PYTHON (the interpreter; default .venv's, else python3), GPU_CHECK_WORK
 # (model, unpacked binary, server logs; default $TMPDIR/moe-l2-gpu-check), GPU_CHECK_BENCH_ARGS
 # (more arguments for every expert_offload run); for --prepare: PYTHON_VERSIONS ("3.12"), BASE=1
@@ -33,7 +33,7 @@ set -uo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO" || exit 1
-MODE=gpu BINARY="" LAYERS="" BUDGET=540 BUDGETS="50% 25% 12.5%" RUNS="" TOKENS="" IDENTITY=1 SETUP_ONLY=0
+MODE=gpu BINARY="" LAYERS="" BUDGET=540 BUDGETS="50% 25%" RUNS="" TOKENS="" IDENTITY=1 SETUP_ONLY=0
 BINARY_ONLY=0
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -298,11 +298,14 @@ fi
 COMMON=(--binary "$BINARY" --model "$MODEL" --backend "$BACKEND" --constants "$OUT_DIR/constants.json")
 if [ "$MODE" = gpu ]; then
   # 3 runs x 64 tokens, as p50/p25/p12 of 2026-12-04 (44-90 s a run there); all servers load at once
-  COMMON+=(--runs "${RUNS:-3}" --tokens "${TOKENS:-64}" --start-timeout 150 --request-timeout 120 --start-jobs 16)
+  # Three servers load at a time: on the H200 of 2026-12-04 sixteen loading at once (ten of them pinning
+  # 4-8 GiB of host memory each) had none ready after 150 s, while two or three at a time were each ready
+  # in 6-40 s (bench/data/gpu-2026-12-04-dev/README.md)
+  COMMON+=(--runs "${RUNS:-3}" --tokens "${TOKENS:-64}" --start-timeout 150 --request-timeout 120 --start-jobs 3)
   CONCURRENT=4
   ID_ARGS=(--prompts 6 --tokens 48 --slots "7,32")
-  # caps per step (s): 50% has 14 rows and 2 -np 4 servers, 25% and 12.5% 9 rows; identity 7
-  CAPS=(200 115 90) ID_CAP=90
+  # caps per step (s): 50% has 11 rows and 2 -np 4 servers, 25% (and 12.5% if asked) 9 rows; identity 7
+  CAPS=(230 130 90) ID_CAP=110
 else
   # The rehearsals (llvmpipe, RPC): one short run of each config, on 2 cores. llvmpipe's MUL_MAT_ID
   # faults on batches of 3-8 rows (docs/test-bed.md): 2-word prompts (9 tokens), -np 2, no a. Their
@@ -321,8 +324,10 @@ run_budget() {  # run_budget SHARE CAP: one expert_offload run; the first budget
   local share=$1 cap=$2 name configs more=()
   name=$(echo "$share" | tr -d '%' | cut -d. -f1)
   if [ "$i" -eq 0 ]; then
-    # ed: the mapping without the staging ring; en: the prefetch on the compute queue; er: pinned refused
-    configs="a,b,bp,c,cp,d,dp,e,ep,em,el,ed,en,er"
+    # ed: the mapping without the staging ring; en: the prefetch on the compute queue. Not by default (time):
+    # d (mmap'd copies, never the best), ep (e pins by itself now), er (pinned refused: its log line);
+    # GPU_CHECK_BENCH_ARGS="--configs ..." replaces the list
+    configs="a,b,bp,c,cp,dp,e,em,el,ed,en"
     [ "$MODE" = llvmpipe ] && configs="b,bp,c,cp,d,dp,e,ep,em,el,ed"  # a: a 33-token prompt took 15 min there
     more=(--concurrent "$CONCURRENT" --concurrent-configs "cp,e" --gauges)
   else
