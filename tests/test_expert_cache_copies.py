@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -160,17 +161,30 @@ def test_a_load_mode_the_user_chose_is_kept(vulkan_binary: Path, models: dict[st
     assert "through a staging ring of 4 x 4.00 MiB of pinned memory" in log_text
 
 
+@dataclass(frozen=True)
+class MemoryGroup:
+    path: Path
+    limit_file: str  # memory.limit_in_bytes (v1) or memory.max (v2)
+
+
 @pytest.fixture
-def memory_cgroup() -> Iterator[Path]:
-    """A cgroup v1 memory group of this machine's, removed afterwards (root only; cgroup v2 hosts have
-    the same limit in memory.max, which the engine reads too)."""
-    root = Path("/sys/fs/cgroup/memory")
-    if os.geteuid() != 0 or not (root / "memory.limit_in_bytes").is_file():
-        pytest.skip("needs root and a cgroup v1 memory hierarchy at /sys/fs/cgroup/memory")
+def memory_cgroup() -> Iterator[MemoryGroup]:
+    """A memory cgroup of this machine's (v1 at /sys/fs/cgroup/memory, or v2 at /sys/fs/cgroup with the
+    memory controller enabled for children), removed afterwards. Root only."""
+    v1, v2 = Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup")
+    if os.geteuid() != 0:
+        pytest.skip("a memory cgroup needs root")
+    controls = v2 / "cgroup.subtree_control"
+    if (v1 / "memory.limit_in_bytes").is_file():
+        root, limit_file = v1, "memory.limit_in_bytes"
+    elif controls.is_file() and "memory" in controls.read_text(errors="replace").split():
+        root, limit_file = v2, "memory.max"
+    else:
+        pytest.skip("no memory cgroup hierarchy to make a group in (v1 memory, or v2 with +memory)")
     group = root / f"moe-l2-test-{uuid.uuid4().hex[:8]}"
     group.mkdir()
     try:
-        yield group
+        yield MemoryGroup(group, limit_file)
     finally:
         for pid in (group / "cgroup.procs").read_text().split():
             (root / "cgroup.procs").write_text(pid)
@@ -179,17 +193,17 @@ def memory_cgroup() -> Iterator[Path]:
 
 @pytest.mark.vulkan
 def test_a_machine_short_of_memory_keeps_the_mapping_and_stages_the_misses(
-    vulkan_binary: Path, models: dict[str, Model], memory_cgroup: Path, tmp_path: Path
+    vulkan_binary: Path, models: dict[str, Model], memory_cgroup: MemoryGroup, tmp_path: Path
 ) -> None:
     """Under a memory limit that the model and the margin do not fit (a container's, here a cgroup's),
     the experts stay mapped and their misses go through the pinned ring; the line says why."""
     model = models["ds-v2-lite"]
     limit = model.path.stat().st_size + (1 << 30)  # under the model plus its 2 GiB margin
-    (memory_cgroup / "memory.limit_in_bytes").write_text(str(limit))
+    (memory_cgroup.path / memory_cgroup.limit_file).write_text(str(limit))
     s = vulkan_cache_settings(16)
     # the server joins the group before it execs (the supervisor starts the argv given)
     wrapper = tmp_path / "in-cgroup.sh"
-    wrapper.write_text(f'#!/bin/sh\necho $$ > {memory_cgroup}/cgroup.procs\nexec {vulkan_binary} "$@"\n')
+    wrapper.write_text(f'#!/bin/sh\necho $$ > {memory_cgroup.path}/cgroup.procs\nexec {vulkan_binary} "$@"\n')
     wrapper.chmod(0o755)
     # the wrapper has no build-info.json beside it, from which the service would set the Vulkan device's env
     log_text = started_log(wrapper, model.path, s, tmp_path, {"GGML_VK_VISIBLE_DEVICES": "0"})
