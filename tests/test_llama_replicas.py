@@ -99,8 +99,28 @@ def test_three_replicas(stack_env: None, monkeypatch: pytest.MonkeyPatch) -> Non
         assert cache.url == cache_url and cache.env["MOE_L2_LLAMA_URL"] == llama_url
 
 
+def bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_replica_base() -> int:
+    """A free port whose replica ports (+100, +200) are free too: free_port() vouches for the first alone,
+    and in one CI run (2026-12-04) +100 was taken by another process, so the test saw llama-2's port busy
+    before llama-3's."""
+    for _ in range(50):
+        base = free_port()
+        if base + 200 < 65536 and bindable(base + 100) and bindable(base + 200):
+            return base
+    raise AssertionError("no free port with free replica ports in 50 tries")
+
+
 def test_check_ports_covers_every_replica(stack_env: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    base = free_port()
+    base = free_replica_base()
     monkeypatch.setenv("MOE_L2_LLAMA_PORT", str(base))
     for name in ("MOE_L2_CACHE_PORT", "MOE_L2_PROXY_PORT", "MOE_L2_PREDICTOR_PORT", "MOE_L2_REDIS_PORT"):
         monkeypatch.setenv(name, str(free_port()))
