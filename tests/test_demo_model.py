@@ -9,13 +9,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import gguf  # a base dependency (pyproject.toml): its absence is a broken install, not a skip
 import numpy as np
 import pytest
 
-gguf = pytest.importorskip("gguf")
-
-from moe_l2_contracts.domains import DEFAULT_DOMAINS  # noqa: E402
-from moe_l2_gguf.demo_model import (  # noqa: E402 - after the importorskip guard
+from moe_l2_contracts.domains import DEFAULT_DOMAINS
+from moe_l2_gguf.demo_model import (
     DOMAIN_WORDS,
     NEUTRAL_WORDS,
     DemoModelError,

@@ -15,15 +15,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf  # a base dependency (pyproject.toml): its absence is a broken install, not a skip
 import httpx
 import numpy as np
 import pytest
 
-gguf = pytest.importorskip("gguf")
-
-from moe_l2_gguf.demo_model import main  # noqa: E402 - after the importorskip guard
-from moe_l2_gguf.index import load_index  # noqa: E402
-from moe_l2_gguf.model_shapes import (  # noqa: E402
+from moe_l2_gguf.demo_model import main
+from moe_l2_gguf.index import load_index
+from moe_l2_gguf.model_shapes import (
     BLOCK,
     Q4_0,
     Q4_K,
@@ -36,11 +35,11 @@ from moe_l2_gguf.model_shapes import (  # noqa: E402
     sizes,
     tensor_plan,
 )
-from moe_l2_llama.settings import LlamaSettings  # noqa: E402
-from moe_l2_ops.llama_service import llama_service_spec  # noqa: E402
-from moe_l2_ops.supervisor import Supervisor, free_port  # noqa: E402
+from moe_l2_llama.settings import LlamaSettings
+from moe_l2_ops.llama_service import llama_service_spec
+from moe_l2_ops.supervisor import Supervisor, free_port
 
-from .conftest import ADMIN_HEADERS  # noqa: E402
+from .conftest import ADMIN_HEADERS
 
 REDUCED_LAYERS = 2  # ds-v2-lite: the dense layer 0 and one MoE layer
 REDUCED_VOCAB = 8192
