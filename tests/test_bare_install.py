@@ -13,10 +13,9 @@ import json
 import re
 import subprocess
 import sys
+import tomllib
 from importlib import metadata
 from pathlib import Path
-
-import tomllib
 
 REPO = Path(__file__).resolve().parent.parent
 

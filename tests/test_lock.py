@@ -7,11 +7,11 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import re
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import tomllib
 from packaging.markers import Marker
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
@@ -21,9 +21,9 @@ REQUIREMENTS = REPO / "requirements"
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 # Each lock and the extras it installs (requirements/lock.py writes them).
 LOCKS = {"dev": ("all", "dev"), "proxy": ("proxy",), "cache": ("cache",), "predictor": ("predictor",)}
-# The Pythons the lock is used with: the venv here and the stand-in images (3.11), the public
-# python:3.12 image; 3.10 is the floor pyproject.toml allows.
-PYTHONS = ("3.10", "3.11", "3.12")
+# The Pythons the lock is used with: the venv here and the stand-in images (3.11, also the floor
+# pyproject.toml allows: Debian 12's, and tomllib's), the public python:3.12 image.
+PYTHONS = ("3.11", "3.12")
 
 
 @dataclass(frozen=True)

@@ -43,8 +43,8 @@ class Check:
 
 def check_python() -> Check:
     version = ".".join(map(str, sys.version_info[:3]))
-    ok = sys.version_info >= (3, 10)
-    return Check("python", "pass" if ok else "fail", f"{version} ({sys.executable})" + ("" if ok else "; need >= 3.10"))
+    ok = sys.version_info >= (3, 11)
+    return Check("python", "pass" if ok else "fail", f"{version} ({sys.executable})" + ("" if ok else "; need >= 3.11"))
 
 
 def check_packages() -> Check:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import tomllib
 from typing import Any
 
 import pytest
@@ -35,10 +36,6 @@ def test_python_dockerfiles(service: str, doc: dict[str, Any]) -> None:
     assert len(stages) >= 2, "multi-stage: build in one stage, run from a clean one"
     cmd = exec_form(_last(stage_chain(stages, None), "CMD") or "[]")
     assert cmd == ["python", "-m", PYTHON_SERVICES[service]] == as_argv(doc["services"][service]["command"])
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        return
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert EXTRAS[service] in extras
 

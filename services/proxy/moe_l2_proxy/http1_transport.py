@@ -200,7 +200,7 @@ class _Connection(asyncio.Protocol):
         if self.loop.time() < self.deadline:
             self.timer = self.loop.call_at(self.deadline, self._check_deadline)  # data came since: later
         else:
-            waiter.set_exception(asyncio.TimeoutError())
+            waiter.set_exception(TimeoutError())
 
     def take(self) -> bytes:
         data = self.chunks.popleft() if len(self.chunks) == 1 else b"".join(self.chunks)
@@ -250,7 +250,7 @@ class _Body(httpx.AsyncByteStream):
             else:
                 try:
                     await conn.wait(self.read_timeout)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     raise httpx.ReadTimeout("upstream sent nothing within the read timeout") from None
 
     async def aclose(self) -> None:
@@ -341,7 +341,7 @@ class Http1Transport(httpx.AsyncBaseTransport):
                 raise _lost(conn, "without a response")
             try:
                 await conn.wait(read_timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise httpx.ReadTimeout("upstream sent no response within the read timeout") from None
 
     async def _acquire_slot(self, timeout: float | None) -> None:
@@ -350,7 +350,7 @@ class Http1Transport(httpx.AsyncBaseTransport):
             return
         try:
             await asyncio.wait_for(self._slots.acquire(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise httpx.PoolTimeout("no free upstream connection within the pool timeout") from None
 
     def _idle_connection(self, origin: tuple[str, int], head_only: bool) -> _Connection | None:
@@ -370,7 +370,7 @@ class Http1Transport(httpx.AsyncBaseTransport):
             transport, conn = await asyncio.wait_for(
                 loop.create_connection(lambda: _Connection(loop), origin[0], origin[1]), timeout
             )
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise httpx.ConnectTimeout(f"no connection to {origin[0]}:{origin[1]} within the connect timeout") from None
         except OSError as exc:
             raise httpx.ConnectError(f"cannot connect to {origin[0]}:{origin[1]}: {exc.strerror or exc}") from exc

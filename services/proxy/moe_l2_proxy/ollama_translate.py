@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 from moe_l2_contracts.schemas.ollama import (
@@ -53,7 +53,7 @@ NEVER_EXPIRES = "9999-12-31T23:59:59Z"
 
 
 def now_rfc3339() -> str:
-    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
 
 
 def options_to_openai(options: Options | None) -> dict[str, Any]:
@@ -286,7 +286,7 @@ def model_entry(card: ModelCard, ftype: str = "") -> ModelEntry:
     return ModelEntry(
         name=card.id,
         model=card.id,
-        modified_at=datetime.fromtimestamp(card.created or 0, timezone.utc).isoformat().replace("+00:00", "Z"),
+        modified_at=datetime.fromtimestamp(card.created or 0, UTC).isoformat().replace("+00:00", "Z"),
         size=int(meta.get("size") or 0),
         # a stable identifier of the served name (the gateway cannot hash a file llama maps)
         digest=hashlib.sha256(card.id.encode()).hexdigest(),

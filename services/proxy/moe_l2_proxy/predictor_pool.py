@@ -93,7 +93,7 @@ class PredictorPool:
         trying: list[Endpoint] = []
         try:
             return await asyncio.wait_for(self._first_answer(candidates, body, trying), budget_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if trying:
                 # the replica being asked let the budget pass: skip it for a while
                 self.cool_down(trying[-1], "timeout")
