@@ -5,6 +5,7 @@ extremes, the layers/cache split within the budget), and what it prints. No GPU,
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -15,7 +16,8 @@ from tests.benches import load_bench
 REPO = Path(__file__).resolve().parent.parent
 DEV = REPO / "bench" / "data" / "gpu-2026-12-04-dev"  # in the repository: always here
 SHARED = REPO.parent / "shared" / "data" / "gpu" / "2026-12-04"  # CI has ../shared; a bare checkout may not
-ESFT = REPO.parent / "shared" / "data" / "routing" / "deepseek-ai__ESFT" / "esft_routing_ids_DERIVED.npz"
+ROUTING = Path(os.environ.get("MOE_L2_ROUTING_DATA") or REPO.parent / "shared" / "data" / "routing")
+ESFT = ROUTING / "deepseek-ai__ESFT" / "esft_routing_ids_DERIVED.npz"  # where placement_model.esft_npz() looks
 needs_shared = pytest.mark.skipif(
     not SHARED.is_dir(), reason=f"{SHARED} absent: the H200 table of 2026-12-04 lives in ../shared (CI has it)"
 )
@@ -192,7 +194,13 @@ def test_known_shapes_match_model_shapes(pm):
         assert known.expert_bytes == sizes(s).expert_bytes
 
 
-@pytest.mark.skipif(not ESFT.is_file(), reason=f"{ESFT} absent: the ESFT routing lives in ../shared (CI has it)")
+needs_esft = pytest.mark.skipif(
+    not ESFT.is_file(),
+    reason=f"{ESFT} absent: the ESFT routing lives in ../shared (CI has it; else MOE_L2_ROUTING_DATA)",
+)
+
+
+@needs_esft
 def test_the_embedded_curve_is_the_policy_s_replay(pm):
     got = pm.replay_curve([14])
     assert got[14] == pm.ESFT_CURVE[14]
