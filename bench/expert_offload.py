@@ -17,7 +17,9 @@ names no load mode (the engine chooses, and its "expert cache: host experts" lin
 The project's rows are set against the best stock row at no more device expert bytes (vs_best_stock).
 --concurrent N measures N concurrent requests on servers of their own (-np N; domains mixed);
 --constants puts bench/gpu_facts.py's machine constants into the JSON beside those the runs give
-(CPU expert GB/s from b, GPU time per token from a); --gauges reads the NVML gauges against nvidia-smi.
+(CPU expert GB/s from b, GPU time per token from a), and on CUDA the copy rate from the mapped model
+file itself (constants.h2d_mapped); bench/placement_model.py --against checks a folder of these JSON
+files against its cost model; --gauges reads the NVML gauges against nvidia-smi.
 Requests take turns over the servers (one generates at a time, the order rotated each run) so that
 machine noise hits all alike. Every run is two requests per server: the prompt alone (n_predict 1,
 no prompt cache: prompt tokens/s) and then the same prompt with the cache (one token re-evaluated,
@@ -997,6 +999,57 @@ def load_constants(args: argparse.Namespace) -> dict | str | None:
         raise BenchError(f"--constants {path} is not JSON: {exc}") from exc
 
 
+# Run in a child process, so that no CUDA context stays in the bench's (it would hold device memory the
+# fit check does not count). Standard library, numpy and torch; prints one JSON object.
+MAPPED_H2D_SCRIPT = """
+import json, sys, time
+import numpy as np
+path, size = sys.argv[1], int(sys.argv[2])
+try:
+    import torch
+except ImportError as exc:
+    print(json.dumps({"skipped": f"torch does not import: {exc}"})); sys.exit()
+if not torch.cuda.is_available():
+    print(json.dumps({"skipped": "torch sees no CUDA device"})); sys.exit()
+m = np.memmap(path, dtype=np.uint8, mode="c")  # copy-on-write: writable for torch, pages still the mapping's
+n = min(size, m.size)
+src = torch.from_numpy(m[m.size - n:])  # the file's end: expert tensors, as llama.cpp maps them
+dst = torch.empty(n, dtype=torch.uint8, device="cuda")
+dst.copy_(src); torch.cuda.synchronize()  # the first copy faults the pages in
+times = []
+for _ in range(3):
+    t0 = time.perf_counter(); dst.copy_(src); torch.cuda.synchronize(); times.append(time.perf_counter() - t0)
+times.sort()
+print(json.dumps({"mapped_512MiB_gbps": round(n / times[1] / 1e9, 2), "bytes": n, "ms": round(times[1] * 1e3, 2)}))
+"""
+
+
+def mapped_h2d(model: Path, size: int = 512 << 20, timeout_s: float = 120.0) -> dict:
+    """Host->device GB/s from the mapped model file itself (torch, in a child process): the rate a miss of a
+    mapped model is copied at. On the H200 of 2026-12-04 the mapped rows copied at about 0.85x torch's
+    pageable rate (an anonymous buffer: bench/placement_model.py's MAPPED_FACTOR), so it is measured, not
+    assumed. {"skipped": why} without torch or a CUDA device."""
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", MAPPED_H2D_SCRIPT, str(model), str(size)],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"skipped": f"the measurement did not finish: {exc}"}
+    lines = out.stdout.strip().splitlines()
+    try:
+        doc = json.loads(lines[-1]) if lines else None
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict):
+        why = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"skipped": f"exit {out.returncode}: {why[:200]}"}
+    return doc
+
+
 # -- inputs ---------------------------------------------------------------------------------------
 
 
@@ -1342,6 +1395,9 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="expert-offload-") as tmp_name:
             tmp = Path(tmp_name)
             model, model_info = resolve_model(args, tmp)
+            if isinstance(args.constants_doc, dict) and args.backend == "cuda":
+                # before any server holds the device; bench/placement_model.py reads it for mapped rows
+                args.constants_doc["h2d_mapped"] = mapped_h2d(model)
             try:
                 layout = ExpertLayout.from_index(load_index(model))
             except GGUFIndexError as exc:

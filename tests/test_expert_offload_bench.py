@@ -300,3 +300,16 @@ def test_the_table_leaves_the_concurrent_rows_to_their_own_lines(bench):
         "cp-np4": {"config": "n-cpu-moe pinned -np 4", "what": "x", "status": "measured", "concurrent": {"x": 1}},
     }
     assert "np4" not in bench.table(rows)
+
+
+def test_the_mapped_model_s_copy_rate_is_measured_in_a_child_or_says_why_not(bench, tmp_path, monkeypatch):
+    model = tmp_path / "m.gguf"
+    model.write_bytes(bytes(range(256)) * 4096)  # 1 MiB
+    got = bench.mapped_h2d(model, size=1 << 20)
+    # without torch or a CUDA device (CI) a reason; on a GPU the rate, from at most `size` bytes of the file
+    assert got.get("skipped") or (got["mapped_512MiB_gbps"] > 0 and got["bytes"] == 1 << 20)
+    broken = tmp_path / "python"
+    broken.write_text("#!/bin/sh\necho 'not json'\necho 'Traceback: boom' >&2\nexit 3\n")
+    broken.chmod(0o755)
+    monkeypatch.setattr(bench.sys, "executable", str(broken))
+    assert bench.mapped_h2d(model) == {"skipped": "exit 3: Traceback: boom"}
