@@ -236,7 +236,8 @@ def test_backoff_doubles_up_to_its_cap_and_starts_over_after_a_healthy_run(
     delays = [line.split("restarting it in ")[1].split("s ")[0] for line in lines if "restarting it in" in line]
     assert delays == ["0.2", "0.4", "0.8", "0.8"]
     lines.clear()
-    time.sleep(1.1)  # healthy for longer than reset_after_s
+    # healthy for longer than reset_after_s, by the supervisor's own record, watched as `watch` would
+    drive(sup, lambda: time.monotonic() - (flaky.healthy_at or time.monotonic()) > policy.reset_after_s)
     os.kill(flaky.proc.pid, signal.SIGKILL)
     drive(sup, lambda: flaky.state == "running" and flaky.restarts == 5)
     assert any("restarting it in 0.2s (restart 5)" in line for line in lines), lines

@@ -14,8 +14,12 @@ CI machine. The feeder's wait without a cache runs against the CPU build, which 
 
 from __future__ import annotations
 
+import http.server
+import threading
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -30,6 +34,7 @@ from tests.test_expert_cache import EXPERT_BYTES, SHAPE, metric, serve_on
 from tests.test_vulkan import PROMPTS, Model, greedy_one
 from tests.test_vulkan import models as models  # the module's fixture
 from tests.test_vulkan import settings as base_settings
+from tests.waiting import wait_until
 
 from ..conftest import ADMIN_HEADERS, LlamaServer, RpcDevice
 from .conftest import CacheManager, RedisServer
@@ -56,6 +61,46 @@ def wait_for(check: Callable[[], bool], what: str, timeout: float = 60) -> None:
     while not check():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.25)
+
+
+@contextmanager
+def counting_forwarder(upstream: str) -> Iterator[tuple[str, Counter[tuple[str, str]]]]:
+    """An HTTP forwarder to `upstream` that counts what passes by (method, path): its URL and the counts.
+    Put between a service and llama, it shows what the service asks and how often."""
+    counts: Counter[tuple[str, str]] = Counter()
+    client = httpx.Client(base_url=upstream, timeout=30)
+    hop_by_hop = {"host", "connection", "content-length", "transfer-encoding", "content-encoding"}
+
+    class Forward(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def forward(self) -> None:
+            body = self.rfile.read(int(self.headers.get("content-length") or 0))
+            counts[self.command, self.path.split("?", 1)[0]] += 1
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in hop_by_hop}
+            resp = client.request(self.command, self.path, content=body, headers=headers)
+            self.send_response(resp.status_code)
+            for key, value in resp.headers.items():
+                if key.lower() not in hop_by_hop:
+                    self.send_header(key, value)
+            self.send_header("content-length", str(len(resp.content)))
+            self.end_headers()
+            self.wfile.write(resp.content)
+
+        do_GET = do_POST = do_DELETE = forward
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Forward)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", counts
+    finally:
+        server.shutdown()
+        server.server_close()
+        client.close()
 
 
 def two_layer_cache() -> LlamaSettings:
@@ -176,15 +221,20 @@ def test_without_the_cache_the_feeder_waits_quietly(
     start_cache_manager: Callable[..., CacheManager],
 ) -> None:
     assert cache_llama.client.get("/moe/cache").status_code == 501  # the CPU build: no expert cache
-    manager = start_cache_manager(
-        MOE_L2_MODEL_PATH=str(demo_model),
-        MOE_L2_LLAMA_URL=cache_llama.url,
-        MOE_L2_REDIS_URL=redis_server.url,
-        MOE_L2_CACHE_PULL_INTERVAL_S="0",
-        MOE_L2_CACHE_ENGINE_PROFILE_INTERVAL_S="0.2",
-    )
-    time.sleep(1.5)  # several rounds
-    assert (sample(manager, "engine_profile_pushes_total"), sample(manager, "engine_profile_errors_total")) == (0, 0)
-    assert sample(manager, "engine_cache_layers") == 0
-    log = manager.log.read_text()
-    assert log.count("llama runs without the expert cache") == 1  # said once, not every round
+    # the feeder's rounds are what it asks llama: one GET /moe/cache each, counted on the way
+    with counting_forwarder(cache_llama.url) as (llama_url, asked):
+        manager = start_cache_manager(
+            MOE_L2_MODEL_PATH=str(demo_model),
+            MOE_L2_LLAMA_URL=llama_url,
+            MOE_L2_REDIS_URL=redis_server.url,
+            MOE_L2_CACHE_PULL_INTERVAL_S="0",
+            MOE_L2_CACHE_ENGINE_PROFILE_INTERVAL_S="0.2",
+        )
+        wait_until(lambda: asked["GET", "/moe/cache"] >= 4, 30, "four rounds of the feeder (a GET /moe/cache each)")
+        rounds = asked["GET", "/moe/cache"]
+        pushes, errors = sample(manager, "engine_profile_pushes_total"), sample(manager, "engine_profile_errors_total")
+        assert (pushes, errors) == (0, 0), f"after {rounds} rounds"
+        assert sample(manager, "engine_cache_layers") == 0
+        assert not asked["POST", "/moe/cache/profile"], "a prior was sent to a llama without the cache"
+        log = manager.log.read_text()
+        assert log.count("llama runs without the expert cache") == 1, f"said once in {rounds} rounds, not every round"

@@ -18,7 +18,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
@@ -36,6 +36,7 @@ from moe_l2_cache.claim import (
 from moe_l2_cache.keyspace import audit
 from moe_l2_cache.redis_keys import RedisKeys
 from moe_l2_cache.skips import SkipCounter
+from tests.waiting import await_until, holds_throughout
 
 from ..conftest import LlamaServer
 from .conftest import CacheManager, RedisServer
@@ -51,6 +52,23 @@ def fixed(*addresses: str) -> Callable[[str, int], object]:
         return sorted(addresses)
 
     return resolve
+
+
+def counting(resolve: Callable[[str, int], object], tries: list[str]) -> Callable[[str, int], object]:
+    """resolve, each call (one per try of claim_llama's loop) recorded in `tries`."""
+
+    def counted(host: str, port: int) -> object:
+        tries.append(host)
+        return resolve(host, port)
+
+    return counted
+
+
+def owned_by(redis: Redis, key: str, owner: str) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        return await redis.get(key) == owner
+
+    return check
 
 
 def client(server: RedisServer) -> Redis:
@@ -75,8 +93,9 @@ def test_two_claimers_get_different_replicas_and_a_third_waits_for_a_free_one(
         assert 0 < await redis.pttl(a.key) <= TTL * 1000
 
         caplog.set_level(logging.INFO, logger="moe_l2_cache.claim")
-        third = asyncio.create_task(claim(redis, "c", resolve, retry_s=0.05))
-        await asyncio.sleep(0.5)  # ~10 tries
+        tries: list[str] = []
+        third = asyncio.create_task(claim(redis, "c", counting(resolve, tries), retry_s=0.05))
+        await await_until(lambda: len(tries) >= 10, 10, "ten tries of the third claimer")
         assert not third.done(), "a third cache-manager claimed a replica that two others hold"
         full = [r for r in caplog.records if "every llama replica at llama has a cache-manager (2)" in r.message]
         assert len(full) == 1, "the 'every replica is held' message is logged once"
@@ -109,14 +128,14 @@ def test_renewer_keeps_the_claim_and_detects_one_taken_away(redis_server: RedisS
         held = await claim(redis, "a", fixed("10.0.0.2"))
         lost: list[str] = []
         renewer = asyncio.create_task(held.run_renewer(lost.append))
-        await asyncio.sleep(TTL * 2)
-        assert await redis.get(held.key) == "a", "the renewer let the claim expire"
+        # two TTLs, watched all along: the claim never expires
+        await holds_throughout(owned_by(redis, held.key, "a"), TTL * 2, "the claim kept by its renewer")
         assert not lost
 
-        # expired while Redis was out of reach, nobody took it: taken back, still serving
+        # expired while Redis was out of reach, nobody took it: taken back at the next renewal, still serving
         await redis.delete(held.key)
-        await asyncio.sleep(TTL / 3 + 0.3)
-        assert await redis.get(held.key) == "a" and not lost
+        await await_until(owned_by(redis, held.key, "a"), TTL, "the renewer to take the expired claim back")
+        assert not lost
 
         await redis.set(held.key, "b", px=int(TTL * 1000))  # another cache-manager has it now
         await asyncio.wait_for(renewer, TTL)
@@ -157,8 +176,9 @@ def test_redis_down_at_start_is_waited_for(redis_server: RedisServer) -> None:
     async def run() -> None:
         redis_server.kill9()
         redis = client(redis_server)
-        pending = asyncio.create_task(claim(redis, "a", fixed("10.0.0.2"), retry_s=0.1))
-        await asyncio.sleep(1.0)
+        tries: list[str] = []
+        pending = asyncio.create_task(claim(redis, "a", counting(fixed("10.0.0.2"), tries), retry_s=0.1))
+        await await_until(lambda: len(tries) >= 5, 10, "five tries of the claimer while Redis is down")
         assert not pending.done(), "no claim can be made without Redis: the service must wait"
         await asyncio.to_thread(redis_server.start)
         held = await asyncio.wait_for(pending, 10)

@@ -242,7 +242,16 @@ def scraped(stack: LocalStack, prometheus: Prometheus) -> int:
         return bool(result) and float(result[0]["value"][1]) >= sent
 
     _wait(counted, 30, "Prometheus to scrape the gateway's counters")
-    time.sleep(4 * SCRAPE_INTERVAL_S)  # a few more scrapes of llama and the cache-manager (pull every second)
+    # then a few more successful scrapes of llama and the cache-manager (which pulls llama's counts every
+    # second), so that their series hold the traffic too: each one's last good scrape 3 intervals on
+    since = time.time() + 3 * SCRAPE_INTERVAL_S
+
+    def scraped_since(job: str) -> bool:
+        result = prometheus.query(f'timestamp(up{{job="{job}"}} == 1)')["result"]
+        return bool(result) and float(result[0]["value"][1]) >= since
+
+    jobs = ("llama", "cache-manager")
+    _wait(lambda: all(scraped_since(job) for job in jobs), 30, f"3 more good scrapes of {' and '.join(jobs)}")
     return sent
 
 

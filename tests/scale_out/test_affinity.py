@@ -28,6 +28,7 @@ from tests.cache.traffic import domain_prompt, llama_metrics, metric
 from tests.conftest import ADMIN_HEADERS
 from tests.metrics import sample_sum
 from tests.proxy.support import GatewayProc
+from tests.waiting import wait_until
 
 from .conftest import Replica, gateway_metrics, hot_set_bytes
 
@@ -111,11 +112,37 @@ def _labels(text: str, name: str) -> list[dict[str, str]]:
     return [labels for labels, _ in parse_metrics(text).get(name, [])]
 
 
+def hints_taken(replicas: list[Replica]) -> int:
+    """The hints the replicas' cache-managers have taken, all of them."""
+    return sum(replica.cache.stats()["hints"]["hints"] for replica in replicas)
+
+
+def wait_for_the_hints(client: httpx.Client, replicas: list[Replica], sent0: float, taken0: int) -> None:
+    """The gateway hints the cache-managers fire-and-forget, after the responses: wait until it has none
+    queued, the cache-managers have taken every hint it delivered since (sent0, taken0), and none came
+    for a dwell, so that the mix each chose holds all of the traffic so far and the next hint chooses
+    it afresh (a hint within the dwell is only counted)."""
+    dwell_s = float(CACHE_CLOCKS["MOE_L2_CACHE_DWELL_S"])
+    seen, since = None, time.monotonic()  # the counts last seen, and since when
+
+    def settled() -> bool:
+        nonlocal seen, since
+        hints = client.get("/moe/stats").json()["hints"]
+        counts = (hints["queued"], hints.get("sent", 0.0), hints_taken(replicas))
+        if counts != seen:
+            seen, since = counts, time.monotonic()
+        queued, sent, taken = counts
+        return queued == 0 and sent - sent0 == taken - taken0 and time.monotonic() - since >= dwell_s
+
+    wait_until(settled, 30, "the warm-up's hints taken by the cache-managers, then a dwell without one")
+
+
 def run(gateway: GatewayProc, replicas: list[Replica], planted: dict, seed: int) -> dict:
     with httpx.Client(base_url=gateway.url, timeout=120) as client, ThreadPoolExecutor(CONCURRENCY) as pool:
         # the replicas' hot sets settle on this policy's traffic first
+        sent0, taken0 = client.get("/moe/stats").json()["hints"].get("sent", 0.0), hints_taken(replicas)
         list(pool.map(lambda job: chat(client, planted, *job), workload(WARMUP, seed + 1)))
-        time.sleep(0.5)  # past the cache-managers' dwell: the last mix is pushed
+        wait_for_the_hints(client, replicas, sent0, taken0)
         hits0, misses0 = hot_counts(replicas)
         before = gateway_metrics(client)
         t0 = time.perf_counter()
