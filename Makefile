@@ -10,13 +10,14 @@ STAMP := $(VENV)/.installed
 # ARCH=native compiles for the GPU of this machine (one must be present).
 ARCH ?= 90
 
-.PHONY: install lock run test lint format bench build-llama build-llama-vulkan check-cuda bench-gpu demo-model clean help
+.PHONY: install lock run test check lint format bench build-llama build-llama-vulkan check-cuda bench-gpu demo-model clean help
 
 help:
 	@echo "make install   create $(VENV) with moe-l2 and its dev tools, from the lock file"
 	@echo "make lock      re-resolve the lock files requirements/*.txt (UPGRADE=1: newest versions)"
 	@echo "make run       start the stack locally (MODEL=path.gguf, else a generated demo model)"
 	@echo "make test      run the test suite (builds the CPU and Vulkan llama-servers on first use)"
+	@echo "make check     the inner loop: the tests that need no llama build, no Docker, no Vulkan (~4 min)"
 	@echo "make check-cuda  compile and link the CUDA llama-server for ARCH (default 90; ARCH=native on a GPU)"
 	@echo "make bench-gpu   the GPU check: CUDA build, ds-v2-lite shape, offload benchmark"
 	@echo "make lint      ruff check + format check, hadolint on the Dockerfiles"
@@ -75,6 +76,14 @@ test: $(STAMP)
 	$(MOE) build-llama --rpc
 	$(if $(or $(CI),$(shell command -v glslc)),$(MOE) build-llama --vulkan)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The inner loop (README, "Which to run"): the tests that need no llama.cpp build, no Docker engine and no
+# Vulkan, and are not marked slow. tests/selection.py marks every test that uses an engine build
+# (llama_binary, rpc_binary, vulkan_binary), so a new one is left out without a mark by hand.
+CHECK_MARKS := not llama and not vulkan and not containers and not cuda_build and not slow
+
+check: $(STAMP)
+	$(PY) -m pytest -q -m "$(CHECK_MARKS)" $(PYTEST_ARGS)
 
 # Every Dockerfile, the stand-ins' included; .hadolint.yaml says why each ignored rule is ignored.
 DOCKERFILES := $(wildcard services/*/Dockerfile tests/containers/standins/*.Dockerfile)

@@ -18,7 +18,8 @@ from moe_l2_ops.llama_service import llama_service_spec
 from moe_l2_ops.supervisor import ServiceSpec, Supervisor, SupervisorError, describe_exit, free_port, tcp_open
 
 # tests/ci_policy.py: with CI set an unallowlisted skip fails the run; the per-area summary.
-pytest_plugins = ["tests.ci_policy"]
+# tests/selection.py: the tests that use an engine build are marked, so `make check` leaves them out.
+pytest_plugins = ["tests.ci_policy", "tests.selection"]
 
 # Every service a test starts inherits this environment, so they all share one admin token, as
 # under `moe-l2 up`; tests of the token itself override it per process.

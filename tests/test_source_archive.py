@@ -41,6 +41,7 @@ def files_under(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
+@pytest.mark.slow  # trims the genuine sdist (module fixture): 5-40 s on 2 cores
 def test_the_trimmed_tree_is_the_genuine_tree_less_the_trimmed_folders(trimmed: Path, tmp_path: Path) -> None:
     full, small = tmp_path / "full", tmp_path / "small"
     build_mod.extract_llama_cpp(genuine_sdist(), full)
@@ -53,6 +54,7 @@ def test_the_trimmed_tree_is_the_genuine_tree_less_the_trimmed_folders(trimmed: 
     assert {k.split("/", 1)[0] for k in files_under(full)} >= set(sa.TRIMMED_DIRS) - {".devops"}
 
 
+@pytest.mark.slow  # trims the genuine sdist (module fixture): 5-40 s on 2 cores
 def test_it_fits_a_device_call_with_room_to_spare(trimmed: Path) -> None:
     # The shipped archive is xz -9 (8.1 MiB measured); this one is preset 0, larger still.
     assert trimmed.stat().st_size < 24 * 2**20
@@ -66,6 +68,7 @@ def test_no_patch_touches_a_trimmed_folder() -> None:
                 assert path.split("/", 1)[0] not in sa.TRIMMED_DIRS, (patch.name, path)
 
 
+@pytest.mark.slow  # trims the genuine sdist (module fixture): 5-40 s on 2 cores
 @pytest.mark.skipif(not shutil.which("cmake"), reason="cmake is not installed")
 def test_the_patched_trimmed_tree_configures_the_server(trimmed: Path, tmp_path: Path) -> None:
     src = tmp_path / "src"
@@ -125,6 +128,7 @@ def test_any_difference_is_refused(
         sa.extract_verified(tmp_path / "bad.tar.xz", tmp_path / "out", pin)
 
 
+@pytest.mark.slow  # trims the genuine sdist (module fixture): 5-40 s on 2 cores
 def test_a_tampered_archive_is_one_line_from_build_llama(trimmed: Path, tmp_path: Path) -> None:
     # The real pin: the trimmed archive with one file's bytes changed.
     bad = tmp_path / "bad.tar.xz"
