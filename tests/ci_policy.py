@@ -112,6 +112,10 @@ def load_allowlist(path: Path) -> list[Allowed]:
     return entries
 
 
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 def skip_message(report: pytest.TestReport | pytest.CollectReport) -> str:
     """The skip's reason as `-rs` prints it, without pytest's `Skipped: ` prefix."""
     longrepr = report.longrepr
@@ -142,13 +146,17 @@ class Policy:
     outcomes: dict[str, str] = field(default_factory=dict)  # nodeid -> its one outcome
     skips: dict[str, str] = field(default_factory=dict)  # nodeid -> skip message
     refused: dict[str, str] = field(default_factory=dict)  # the skips no entry allows
+    allowed: dict[str, Allowed] = field(default_factory=dict)  # the others, and the entry that allows each
 
     # -- recording ---------------------------------------------------------------------------------
 
     def _skipped(self, nodeid: str, message: str) -> None:
         self.skips[nodeid] = message
-        if not any(entry.allows(nodeid, message) for entry in self.allowlist):
+        entry = next((entry for entry in self.allowlist if entry.allows(nodeid, message)), None)
+        if entry is None:
             self.refused[nodeid] = message
+        else:
+            self.allowed[nodeid] = entry
 
     @pytest.hookimpl
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -204,6 +212,11 @@ class Policy:
             for area in AREA_ORDER:
                 if area in tallies:
                     write(tallies[area].line(area))
+        for nodeid, entry in self.allowed.items():
+            why = " ".join(entry.why.split())
+            write(
+                f"allowlisted skip: {nodeid}: {self.skips[nodeid]} (why: {why[:160]}{'...' if len(why) > 160 else ''})"
+            )
         if not self.refused:
             return
         by_reason: dict[str, list[str]] = {}
@@ -212,13 +225,16 @@ class Policy:
         if self.ci:
             terminalreporter.write_sep("=", "skips CI does not allow", red=True, bold=True)
             write(
-                f"CI is set: {len(self.refused)} tests were skipped for a reason no entry of "
+                f"CI is set: {plural(len(self.refused), 'test')} skipped for a reason no entry of "
                 f"{self.allowlist_path} allows, so this run fails:",
                 red=True,
             )
         else:
             terminalreporter.write_sep("-", "skips CI would refuse")
-            write(f"{len(self.refused)} skips here that no entry of {self.allowlist_path} allows (CI would fail):")
+            write(
+                f"{plural(len(self.refused), 'skip')} here that no entry of {self.allowlist_path} allows "
+                "(CI would fail):"
+            )
         for message, nodeids in by_reason.items():
             more = f" (and {len(nodeids) - 1} more)" if len(nodeids) > 1 else ""
             write(f"  {nodeids[0]}{more}: {message}")

@@ -86,6 +86,11 @@ def test_ci_passes_when_every_skip_is_allowlisted(tmp_path: Path) -> None:
     run = session(tmp_path, ALLOW_BOTH, ci=True)
     assert run.returncode == 0, run.stdout
     assert "skips CI" not in run.stdout
+    # each allowlisted skip is named with its reason and the entry's why
+    assert (
+        "allowlisted skip: test_planted.py::test_needs_a_gpu: no GPU on this machine (why: CI machines have none)"
+        in (run.stdout)
+    )
 
 
 def test_the_reason_must_match_as_well_as_the_test(tmp_path: Path) -> None:
