@@ -195,6 +195,8 @@ SERIES = [
     "0022-sched-expert-cache-copy.patch",
     "0023-expert-cache-prefill.patch",
     "0024-expert-cache-host-memory.patch",
+    "0025-cpu-mul-mat-id-skip.patch",
+    "0026-expert-cache-cpu-misses.patch",
 ]
 
 

@@ -1,0 +1,205 @@
+"""The expert cache's decode misses computed on the CPU while the device computes the hits (patches 0025
+and 0026, `--moe-cache-cpu-misses`).
+
+Which device, and why it proves the claim:
+- The **RPC device** (tests/conftest.py) is a device to the scheduler, like a GPU: the graph reads a
+  layer's input and ids to the host, the device computes its pairs on its slots, the CPU computes the
+  misses' pairs from host memory (the others' ids -1), and the device adds the two with the CPU's pairs
+  of its own zeroed. A pair computed twice, or by neither side, or a CPU pair on the wrong expert,
+  changes the tokens against the cache-off run of the same device. Both sides run ggml's CPU kernels
+  there, so the tolerance is zero: the greedy tokens are equal, not close.
+- **llvmpipe** runs the 64-token ESFT test: the device side is ggml-vulkan's (a GPU backend's kernels,
+  buffers, queues and events), the CPU side ggml-cpu's. Their float sums differ in order, which a
+  split of the pairs between them allows; the greedy tokens still equal the cache-off run of the
+  same device, whose experts ggml-vulkan computes from its copy of them.
+- **Counters**: the misses the CPU computes are still admitted into slots as the policy decides (their
+  copies on the copy backend, off the critical path), so the engine's accesses, hits and loads equal
+  the Python replay of its own access log, exactly as without the CPU's share.
+"""
+
+from __future__ import annotations
+
+import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moe_l2_cache.policy.profile import fit_profile
+from moe_l2_cache.policy.replay import read_access_log, replay_accesses
+from moe_l2_contracts.schemas.llama import ExpertCacheProfile
+from moe_l2_llama.route_trace import from_esft_npz, write_route_trace
+from moe_l2_llama.settings import LlamaSettings, llama_server_command
+from tests.conftest import EngineDevice, RpcDevice
+from tests.test_expert_cache import (
+    N_MOE,
+    N_PREDICT,
+    ON_RPC_AND_LLVMPIPE,
+    SHAPE,
+    TOKEN,
+    cache_off_reference,
+    cache_settings,
+    metric,
+    post_profile,
+    run_until_ready_or_exit,
+    serve_on,
+)
+from tests.test_expert_cache import device as device  # the parametrized device fixture
+from tests.test_route_trace import ESFT_NPZ
+from tests.test_vulkan import PROMPTS, Model, greedy, greedy_one
+from tests.test_vulkan import models as models  # the module's fixture
+from tests.test_vulkan import settings as base_settings
+
+pytestmark = [pytest.mark.llama, pytest.mark.slow]
+
+CPU_LINE = re.compile(r"expert cache: misses of micro-batches up to 16 tokens computed on the CPU \((\d+) threads\)")
+
+
+def cpu_misses(slots: int, mode: str = "on", parallel: int = 1, threads: int = 2) -> LlamaSettings:
+    s = cache_settings(slots, parallel=parallel)
+    return s.model_copy(
+        update={"extra_args": f"{s.extra_args} --moe-cache-cpu-misses {mode}", "threads": threads, "admin_token": TOKEN}
+    )
+
+
+@pytest.mark.parametrize("slots", [7, 14, 32])
+def test_greedy_tokens_with_the_cpu_misses_equal_the_cache_off_and_the_counts_the_replay(
+    rpc_device: RpcDevice, models: dict[str, Model], slots: int, tmp_path: Path
+) -> None:
+    """Every decode miss computed on the CPU, at 7, 14 and 32 of 64 slots: the tokens are the cache-off
+    run's, and the residency is the replay's (the CPU's misses still enter the cache)."""
+    model = models["ds-v2-lite"]
+    expected = cache_off_reference(rpc_device, model, tmp_path)
+    log = tmp_path / "access.log"
+    with serve_on(rpc_device, model.path, cpu_misses(slots), {"LLAMA_MOE_CACHE_LOG": str(log)}, tmp_path) as (
+        client,
+        log_path,
+    ):
+        got = greedy(client, N_PREDICT)
+        engine = {m: metric(client, f"moe_cache_{m}_total") for m in ("accesses", "hits", "loads", "bypass")}
+        on_cpu = metric(client, "moe_cache_cpu_misses_total")
+        log_text = log_path.read_text(errors="replace")
+    assert CPU_LINE.search(log_text), log_text[-2000:]
+    assert got == expected
+    assert 0 < on_cpu <= engine["loads"]
+    replay = replay_accesses(read_access_log(log), "default", N_MOE, SHAPE.n_expert, slots, SHAPE.n_expert_used)
+    assert engine == {"accesses": replay.accesses, "hits": replay.hits, "loads": replay.loads, "bypass": replay.bypass}
+
+
+def test_off_computes_no_miss_on_the_cpu(rpc_device: RpcDevice, models: dict[str, Model], tmp_path: Path) -> None:
+    model = models["ds-v2-lite"]
+    expected = cache_off_reference(rpc_device, model, tmp_path)
+    with serve_on(rpc_device, model.path, cpu_misses(14, "off"), {}, tmp_path) as (client, log_path):
+        got = greedy(client, N_PREDICT)
+        on_cpu, loads = metric(client, "moe_cache_cpu_misses_total"), metric(client, "moe_cache_loads_total")
+        log_text = log_path.read_text(errors="replace")
+    assert got == expected
+    assert on_cpu == 0 and loads > 0
+    assert "computed on the CPU" not in log_text
+
+
+def test_one_cpu_thread_still_computes_the_misses(
+    rpc_device: RpcDevice, models: dict[str, Model], tmp_path: Path
+) -> None:
+    """Fewer threads than the miss path would like (-t 1): the CPU's nodes run on the one thread."""
+    model = models["ds-v2-lite"]
+    expected = cache_off_reference(rpc_device, model, tmp_path)
+    with serve_on(rpc_device, model.path, cpu_misses(7, threads=1), {}, tmp_path) as (client, log_path):
+        got = greedy(client, N_PREDICT)
+        on_cpu = metric(client, "moe_cache_cpu_misses_total")
+        found = CPU_LINE.search(log_path.read_text(errors="replace"))
+    assert found and found[1] == "1"
+    assert got == expected and on_cpu > 0
+
+
+def test_every_expert_on_the_device_computes_none_on_the_cpu_and_says_so(
+    rpc_device: RpcDevice, models: dict[str, Model], tmp_path: Path
+) -> None:
+    model = models["ds-v2-lite"]
+    expected = cache_off_reference(rpc_device, model, tmp_path)
+    with serve_on(rpc_device, model.path, cpu_misses(SHAPE.n_expert), {}, tmp_path) as (client, log_path):
+        got = greedy(client, N_PREDICT)
+        on_cpu = metric(client, "moe_cache_cpu_misses_total")
+        log_text = log_path.read_text(errors="replace")
+    assert got == expected and on_cpu == 0
+    assert "every expert fits on the device: misses copied once, none computed on the CPU" in log_text
+
+
+@pytest.mark.skipif(not ESFT_NPZ.is_file(), reason=f"the ESFT routing data is not at {ESFT_NPZ}")
+def test_two_domains_at_once_with_the_cpu_misses_get_the_tokens_they_get_alone(
+    rpc_device: RpcDevice, models: dict[str, Model], tmp_path: Path
+) -> None:
+    """-np 2, a request of each domain at once, each with its profile: decode's micro-batches of two rows
+    (one per request) split their misses between the CPU and the device, row by row."""
+    model = models["ds-v2-lite"]
+    lengths = (N_PREDICT, 3 * N_PREDICT)
+    off = base_settings(gpu_layers=99, extra_args="--cpu-moe -lv 4")
+    with serve_on(rpc_device, model.path, off, {}, tmp_path) as (client, _):
+        expected = [greedy_one(client, PROMPTS[i], lengths[i]) for i in (0, 1)]
+    law = from_esft_npz(ESFT_NPZ, tasks=["law"], seqs=slice(0, 20), layers=N_MOE)
+    translation = from_esft_npz(ESFT_NPZ, tasks=["translation"], seqs=slice(0, 20), layers=N_MOE)
+    fitted = fit_profile(
+        np.concatenate([law.ids, translation.ids]),
+        ["logic"] * law.n_token + ["translate"] * translation.n_token,
+        SHAPE.n_expert,
+    )
+    domains = ["logic", "translate"]
+    with serve_on(rpc_device, model.path, cpu_misses(14, parallel=2), {}, tmp_path) as (client, _):
+        for d in domains:
+            body = ExpertCacheProfile.from_tables(
+                d, freq=fitted.domain_freq[d], transitions=fitted.domain_transitions[d]
+            )
+            assert post_profile(client, body).status_code == 200
+        with ThreadPoolExecutor(2) as pool:
+            got = list(
+                pool.map(lambda i: greedy_one(client, PROMPTS[i], lengths[i], {"X-MoE-Domain": domains[i]}), [0, 1])
+            )
+        on_cpu = metric(client, "moe_cache_cpu_misses_total")
+    assert got == expected
+    assert on_cpu > 0
+
+
+@pytest.mark.skipif(not ESFT_NPZ.is_file(), reason=f"the ESFT routing data is not at {ESFT_NPZ}")
+@ON_RPC_AND_LLVMPIPE
+def test_64_tokens_under_the_esft_trace_with_the_cpu_misses_equal_the_cache_off(
+    device: EngineDevice, models: dict[str, Model], tmp_path: Path
+) -> None:
+    """DeepSeek-V2-Lite's routing on an ESFT prompt (LLAMA_MOE_ROUTE_TRACE), 64 greedy tokens, 16 slots
+    and the default policy prefetching by a fitted profile, every decode miss on the CPU."""
+    model = models["ds-v2-lite"]
+    law = from_esft_npz(ESFT_NPZ, tasks=["law"], seqs=slice(0, 30), layers=N_MOE)
+    trace = tmp_path / "law.trace"
+    write_route_trace(law, trace)
+    first = int(law.offsets[2])
+    fitted = fit_profile(law.ids[first:], ["logic"] * (law.n_token - first), SHAPE.n_expert)
+    env = {"LLAMA_MOE_ROUTE_TRACE": str(trace)}
+    headers = {"X-MoE-Domain": "logic"}
+    n_tokens = 64
+
+    off = base_settings(gpu_layers=99, extra_args="--cpu-moe -lv 4")
+    with serve_on(device, model.path, off, env, tmp_path) as (client, _):
+        expected = greedy_one(client, PROMPTS[1], n_tokens, headers)
+
+    with serve_on(device, model.path, cpu_misses(16), env, tmp_path) as (client, log_path):
+        device.assert_holds_the_model(log_path.read_text())
+        body = ExpertCacheProfile.from_tables(
+            "logic", freq=fitted.domain_freq["logic"], transitions=fitted.domain_transitions["logic"]
+        )
+        assert post_profile(client, body).status_code == 200
+        got = greedy_one(client, PROMPTS[1], n_tokens, headers)
+        on_cpu, prefetched = metric(client, "moe_cache_cpu_misses_total"), metric(client, "moe_cache_prefetch_total")
+    assert got == expected
+    assert on_cpu > 0 and prefetched > 0
+
+
+@pytest.mark.parametrize("value", ["sometimes", ""])
+def test_the_mode_is_checked_by_the_flag_parser(llama_binary: Path, models: dict[str, Model], value: str) -> None:
+    cmd = [
+        *llama_server_command(llama_binary, models["ds-v2-lite"].path, base_settings()),
+        "--moe-cache-cpu-misses",
+        value,
+    ]
+    code, log = run_until_ready_or_exit(cmd, {})
+    assert code not in (None, 0)
+    assert "--moe-cache-cpu-misses" in log
