@@ -167,6 +167,28 @@ CONFIGS: dict[str, Config] = {
             env=(("LLAMA_MOE_CACHE_COPY_STREAM", "0"),),
         ),
         Config(
+            "eo",
+            "expert-cache misses copied",
+            "e with --moe-cache-cpu-misses off: every miss copied before the device computes it (0022-0024 alone)",
+            "e",
+            args=("--moe-cache-cpu-misses", "off"),
+        ),
+        Config(
+            "ec",
+            "expert-cache misses on the CPU",
+            "e with --moe-cache-cpu-misses on: every decode miss on the CPU while the device computes the hits",
+            "e",
+            args=("--moe-cache-cpu-misses", "on"),
+        ),
+        Config(
+            "ecm",
+            "expert-cache mmap, misses on the CPU",
+            "em with --moe-cache-cpu-misses on: a mapped model's decode misses read by the CPU instead of copied",
+            "e",
+            "mmap",
+            args=("--moe-cache-cpu-misses", "on"),
+        ),
+        Config(
             "er",
             "expert-cache pinned refused",
             "ep with pinned memory refused (GGML_CUDA_NO_PINNED=1): the fallback, and its one line",

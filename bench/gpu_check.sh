@@ -324,14 +324,15 @@ run_budget() {  # run_budget SHARE CAP: one expert_offload run; the first budget
   local share=$1 cap=$2 name configs more=()
   name=$(echo "$share" | tr -d '%' | cut -d. -f1)
   if [ "$i" -eq 0 ]; then
-    # ed: the mapping without the staging ring; en: the prefetch on the compute queue. Not by default (time):
-    # d (mmap'd copies, never the best), ep (e pins by itself now), er (pinned refused: its log line);
-    # GPU_CHECK_BENCH_ARGS="--configs ..." replaces the list
-    configs="a,b,bp,c,cp,dp,e,em,el,ed,en"
+    # e is the default (--moe-cache-cpu-misses auto); eo: its misses all copied, ec: all on the CPU, ecm: the
+    # mapping's on the CPU. Not by default (time): d (mmap'd copies, never the best), ep (e pins by itself now),
+    # ed (the mapping without the ring) and en (one queue), both measured on 2026-12-04, er (pinned refused: its
+    # log line); GPU_CHECK_BENCH_ARGS="--configs ..." replaces the list
+    configs="a,b,bp,c,cp,dp,e,eo,ec,em,ecm,el"
     [ "$MODE" = llvmpipe ] && configs="b,bp,c,cp,d,dp,e,ep,em,el,ed"  # a: a 33-token prompt took 15 min there
     more=(--concurrent "$CONCURRENT" --concurrent-configs "cp,e" --gauges)
   else
-    configs="$STOCK,e,ep,em,el"
+    configs="$STOCK,e,eo,ec,em,el"
   fi
   run_step "bench-$name" "$cap" "$PY" bench/expert_offload.py "${COMMON[@]}" --cache-bytes "$share" \
     --configs "$configs" "${more[@]}" --log-dir "$WORK/logs/offload_$name" \
