@@ -274,6 +274,32 @@ def domain_counters(client: httpx.Client) -> dict[str, tuple[int, int]]:
             samples["llamacpp:moe_cache_domain_accesses_total"]}  # fmt: skip
 
 
+TWO_DOMAINS = ("logic", "translate")
+
+
+def two_domain_profiles() -> list[ExpertCacheProfile]:
+    """A profile per domain of TWO_DOMAINS, fitted on two ESFT tasks (law, translation) cut to the model's layers."""
+    law = from_esft_npz(ESFT_NPZ, tasks=["law"], seqs=slice(0, 20), layers=N_MOE)
+    translation = from_esft_npz(ESFT_NPZ, tasks=["translation"], seqs=slice(0, 20), layers=N_MOE)
+    fitted = fit_profile(
+        np.concatenate([law.ids, translation.ids]),
+        ["logic"] * law.n_token + ["translate"] * translation.n_token,
+        SHAPE.n_expert,
+    )
+    return [
+        ExpertCacheProfile.from_tables(d, freq=fitted.domain_freq[d], transitions=fitted.domain_transitions[d])
+        for d in TWO_DOMAINS
+    ]
+
+
+def both_at_once(client: httpx.Client, lengths: tuple[int, int]) -> list[list[int]]:
+    """PROMPTS[0] and PROMPTS[1] at once, tagged with TWO_DOMAINS[0] and [1]: their greedy tokens."""
+    with ThreadPoolExecutor(2) as pool:
+        return list(
+            pool.map(lambda i: greedy_one(client, PROMPTS[i], lengths[i], {"X-MoE-Domain": TWO_DOMAINS[i]}), [0, 1])
+        )
+
+
 @pytest.mark.skipif(not ESFT_NPZ.is_file(), reason=f"the ESFT routing data is not at {ESFT_NPZ}")
 def test_two_concurrent_requests_of_two_domains_with_prefetch_get_the_tokens_they_get_alone(
     rpc_device: RpcDevice, models: dict[str, Model], tmp_path: Path
@@ -290,24 +316,8 @@ def test_two_concurrent_requests_of_two_domains_with_prefetch_get_the_tokens_the
     off = base_settings(gpu_layers=99, extra_args="--cpu-moe -lv 4")
     with serve_on(rpc_device, model.path, off, {}, tmp_path) as (client, _):
         expected = [greedy_one(client, PROMPTS[i], lengths[i]) for i in (0, 1)]
-    law = from_esft_npz(ESFT_NPZ, tasks=["law"], seqs=slice(0, 20), layers=N_MOE)
-    translation = from_esft_npz(ESFT_NPZ, tasks=["translation"], seqs=slice(0, 20), layers=N_MOE)
-    fitted = fit_profile(
-        np.concatenate([law.ids, translation.ids]),
-        ["logic"] * law.n_token + ["translate"] * translation.n_token,
-        SHAPE.n_expert,
-    )
-    bodies = [
-        ExpertCacheProfile.from_tables(d, freq=fitted.domain_freq[d], transitions=fitted.domain_transitions[d])
-        for d in ("logic", "translate")
-    ]
-    domains = ["logic", "translate"]
-
-    def both_at_once(client: httpx.Client, lengths: tuple[int, int]) -> list[list[int]]:
-        with ThreadPoolExecutor(2) as pool:
-            return list(
-                pool.map(lambda i: greedy_one(client, PROMPTS[i], lengths[i], {"X-MoE-Domain": domains[i]}), [0, 1])
-            )
+    bodies = two_domain_profiles()
+    domains = list(TWO_DOMAINS)
 
     on = cache_settings(SHAPE.n_expert_used + 2, parallel=2).model_copy(update={"admin_token": TOKEN})
     with serve_on(rpc_device, model.path, on, {}, tmp_path) as (client, _):

@@ -20,10 +20,8 @@ Which device, and why it proves the claim:
 from __future__ import annotations
 
 import re
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from moe_l2_cache.policy.profile import fit_profile
@@ -38,12 +36,14 @@ from tests.test_expert_cache import (
     ON_RPC_AND_LLVMPIPE,
     SHAPE,
     TOKEN,
+    both_at_once,
     cache_off_reference,
     cache_settings,
     metric,
     post_profile,
     run_until_ready_or_exit,
     serve_on,
+    two_domain_profiles,
 )
 from tests.test_expert_cache import device as device  # the parametrized device fixture
 from tests.test_route_trace import ESFT_NPZ
@@ -137,24 +137,9 @@ def test_two_domains_at_once_with_the_cpu_misses_get_the_tokens_they_get_alone(
     off = base_settings(gpu_layers=99, extra_args="--cpu-moe -lv 4")
     with serve_on(rpc_device, model.path, off, {}, tmp_path) as (client, _):
         expected = [greedy_one(client, PROMPTS[i], lengths[i]) for i in (0, 1)]
-    law = from_esft_npz(ESFT_NPZ, tasks=["law"], seqs=slice(0, 20), layers=N_MOE)
-    translation = from_esft_npz(ESFT_NPZ, tasks=["translation"], seqs=slice(0, 20), layers=N_MOE)
-    fitted = fit_profile(
-        np.concatenate([law.ids, translation.ids]),
-        ["logic"] * law.n_token + ["translate"] * translation.n_token,
-        SHAPE.n_expert,
-    )
-    domains = ["logic", "translate"]
     with serve_on(rpc_device, model.path, cpu_misses(14, parallel=2), {}, tmp_path) as (client, _):
-        for d in domains:
-            body = ExpertCacheProfile.from_tables(
-                d, freq=fitted.domain_freq[d], transitions=fitted.domain_transitions[d]
-            )
-            assert post_profile(client, body).status_code == 200
-        with ThreadPoolExecutor(2) as pool:
-            got = list(
-                pool.map(lambda i: greedy_one(client, PROMPTS[i], lengths[i], {"X-MoE-Domain": domains[i]}), [0, 1])
-            )
+        assert all(post_profile(client, body).status_code == 200 for body in two_domain_profiles())
+        got = both_at_once(client, lengths)
         on_cpu = metric(client, "moe_cache_cpu_misses_total")
     assert got == expected
     assert on_cpu > 0
