@@ -20,12 +20,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from moe_l2_ops.python_service import python_service
+from moe_l2_ops.stack_settings import StackSettings
 from moe_l2_ops.supervisor import ServiceSpec
-
-if TYPE_CHECKING:  # moe_l2_ops.stack imports this module
-    from moe_l2_ops.stack import StackSettings
 
 REPLICAS_ENV = "MOE_L2_LLAMA_REPLICAS"
 MAX_REPLICAS = 16
@@ -110,8 +108,6 @@ def llama_spec(settings: StackSettings, replica: Replica, model: Path, binary: P
 
 
 def cache_manager_spec(settings: StackSettings, replica: Replica, model: Path) -> ServiceSpec:
-    from moe_l2_ops.stack import python_service
-
     env = {
         "MOE_L2_MODEL_PATH": str(model),
         "MOE_L2_REDIS_URL": f"redis://{settings.redis_host}:{settings.redis_port}/0",

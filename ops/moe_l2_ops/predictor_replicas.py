@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 
 from moe_l2_contracts.services import PREDICTOR
-from moe_l2_ops.stack import python_service
+from moe_l2_ops.python_service import python_service
 from moe_l2_ops.supervisor import ServiceSpec
 
 DEFAULT_PORT = PREDICTOR.port

@@ -21,71 +21,22 @@ import sys
 from pathlib import Path
 from types import FrameType
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
-
-from moe_l2_contracts.admin import (
-    ADMIN_TOKEN_ENV,
-    ADMIN_TOKEN_FILENAME,
-    AdminTokenError,
-    configured_token,
-    ensure_token_file,
+from moe_l2_contracts.admin import ADMIN_TOKEN_ENV, AdminTokenError, configured_token, ensure_token_file
+from moe_l2_ops.llama_replicas import (
+    MAX_REPLICAS,
+    REPLICAS_ENV,
+    cache_manager_spec,
+    default_replica_count,
+    gateway_env,
+    llama_replica_services,
+    llama_spec,
+    parse_replica_count,
+    replicas,
 )
-from moe_l2_contracts.services import CACHE_MANAGER, LLAMA, PROXY
-from moe_l2_ops.llama_replicas import MAX_REPLICAS, REPLICAS_ENV, default_replica_count, parse_replica_count
-from moe_l2_ops.supervisor import (
-    STATE_FILENAME,
-    RestartPolicy,
-    ServiceSpec,
-    Supervisor,
-    SupervisorError,
-    http_ok,
-    port_in_use,
-    tcp_open,
-)
-
-
-class StackSettings(BaseSettings):
-    """Settings of the local stack itself; each service reads its own MOE_L2_* variables too."""
-
-    model_config = SettingsConfigDict(env_prefix="MOE_L2_", extra="ignore")
-
-    redis_host: str = "127.0.0.1"
-    redis_port: int = Field(default=6379, ge=1, le=65535)
-    state_dir: Path = Field(
-        default_factory=lambda: Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "moe-l2",
-        description="logs, Redis' append-only file, the generated demo model",
-    )
-    # the ports the services are wired to each other with (each service reads its own as well)
-    llama_port: int = Field(default=LLAMA.port, ge=1, le=65535)
-    cache_port: int = Field(default=CACHE_MANAGER.port, ge=1, le=65535)
-    proxy_port: int = Field(default=PROXY.port, ge=1, le=65535)
-    demo_seed: int = 0
-    start_timeout_s: float = Field(default=180.0, gt=0)
-    # restarts of a service that dies (see moe_l2_ops.supervisor.RestartPolicy)
-    restart_delay_s: float = Field(default=0.5, ge=0, description="delay of the first restart; doubles each time")
-    restart_max_delay_s: float = Field(default=30.0, ge=0)
-    restart_reset_s: float = Field(default=60.0, ge=0, description="healthy this long: the backoff starts over")
-    restart_max_failures: int = Field(default=5, ge=1, description="failures within the window that stop restarts")
-    restart_window_s: float = Field(default=300.0, gt=0)
-
-    def restart_policy(self) -> RestartPolicy:
-        return RestartPolicy(
-            delay_s=self.restart_delay_s,
-            max_delay_s=max(self.restart_max_delay_s, self.restart_delay_s),
-            reset_after_s=self.restart_reset_s,
-            max_failures=self.restart_max_failures,
-            window_s=self.restart_window_s,
-        )
-
-    @property
-    def state_file(self) -> Path:
-        """What the supervisor of `moe-l2 up` writes: every service's state, pid and restarts."""
-        return self.state_dir / STATE_FILENAME
-
-    @property
-    def admin_token_file(self) -> Path:
-        return self.state_dir / ADMIN_TOKEN_FILENAME
+from moe_l2_ops.predictor_replicas import predictor_services, predictor_urls
+from moe_l2_ops.python_service import python_service
+from moe_l2_ops.stack_settings import StackSettings
+from moe_l2_ops.supervisor import ServiceSpec, Supervisor, SupervisorError, port_in_use, tcp_open
 
 
 def stack_admin_token(settings: StackSettings) -> str:
@@ -132,8 +83,6 @@ def redis_service(settings: StackSettings) -> ServiceSpec:
 
 def llama_service(settings: StackSettings, model: Path, binary: Path, admin_token: str = "") -> ServiceSpec:
     """The one llama-server of a stack without replicas (moe_l2_ops.llama_replicas for more)."""
-    from moe_l2_ops.llama_replicas import llama_spec, replicas
-
     return llama_spec(settings, replicas(settings, 1)[0], model, binary, admin_token)
 
 
@@ -152,25 +101,8 @@ def resolve_model(settings: StackSettings, model: Path | None) -> Path:
     return demo
 
 
-def python_service(
-    name: str, module: str, port: int, env: dict[str, str] | None = None, *, required: bool = True
-) -> ServiceSpec:
-    """A moe-l2 Python service run as `python -m module`, healthy when GET /healthz answers 200."""
-    base = f"http://127.0.0.1:{port}"
-    return ServiceSpec(
-        name=name,
-        argv=[sys.executable, "-m", module],
-        env=env or {},
-        health=http_ok(f"{base}/healthz"),
-        url=base,
-        required=required,
-    )
-
-
 def cache_manager_service(settings: StackSettings, model: Path) -> ServiceSpec:
     """The one cache-manager of a stack without replicas (moe_l2_ops.llama_replicas for more)."""
-    from moe_l2_ops.llama_replicas import cache_manager_spec, replicas
-
     return cache_manager_spec(settings, replicas(settings, 1)[0], model)
 
 
@@ -188,10 +120,6 @@ def stack_services(
     """The services of the local stack, in start order; the gateway last, once its upstreams answer.
     Each gets `admin_token` (MOE_L2_ADMIN_TOKEN; llama's LLAMA_MOE_ADMIN_TOKEN) when one is given.
     `llama_replicas`: llama-servers, each with its cache-manager (moe_l2_ops.llama_replicas)."""
-    # imported here: moe_l2_ops.predictor_replicas and llama_replicas build on this module's python_service()
-    from moe_l2_ops.llama_replicas import gateway_env, llama_replica_services
-    from moe_l2_ops.predictor_replicas import predictor_services, predictor_urls
-
     services = [
         redis_service(settings),
         *llama_replica_services(settings, model, binary, admin_token, llama_replicas),  # llama, cache-manager

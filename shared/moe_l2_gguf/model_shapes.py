@@ -42,15 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from moe_l2_gguf.demo_model import (
-    CHAT_TEMPLATE,
-    DOMAIN_WORDS,
-    NEUTRAL_WORDS,
-    SPACE,
-    DemoModelError,
-    _atomic_write,
-    _ensure_parent,
-)
+from moe_l2_gguf.model_files import DemoModelError, atomic_write, ensure_parent
+from moe_l2_gguf.vocabulary import CHAT_TEMPLATE, DOMAIN_WORDS, NEUTRAL_WORDS, SPACE
 
 # ggml type ids and their (elements per block, bytes per block), as in ggml.h / gguf.constants;
 # kept here so sizes can be computed without importing gguf.
@@ -448,12 +441,12 @@ def write_shape_model(
     path = Path(path)
     plan = tensor_plan(shape, expert_type)
     total = sum(t.nbytes for t in plan)
-    _ensure_parent(path)
+    ensure_parent(path)
     free = shutil.disk_usage(path.parent).free
     if free < total + (64 << 20):
         raise DemoModelError(f"cannot write {path}: it needs {total / 1e9:.2f} GB, {free / 1e9:.2f} GB free")
     start = time.monotonic()
-    _atomic_write(path, lambda tmp: _write_gguf(tmp, shape, plan, seed, expert_type, total, progress))
+    atomic_write(path, lambda tmp: _write_gguf(tmp, shape, plan, seed, expert_type, total, progress))
     return WriteResult(path, path.stat().st_size, time.monotonic() - start, _peak_rss())
 
 

@@ -1,6 +1,6 @@
 """The cache-manager's HTTP service: hints in, stats, hot sets and the expert index out.
 
-Everything the service owns lives in one `Service` on `app.state.service`, built in the lifespan.
+Everything the service owns lives in one `Service` (service.py) on `app.state.service`, built in the lifespan.
 A model that cannot be indexed (missing, unreadable, dense) does not stop the service: it runs in
 pass-through mode, where hints are accepted and ignored and /v1/stats says why.
 
@@ -15,7 +15,6 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
-from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 import httpx
@@ -40,6 +39,7 @@ from moe_l2_cache.metrics import ServiceCollector
 from moe_l2_cache.ram_tier import ModelReplaced, RamTier, RamTierError, plan_ram
 from moe_l2_cache.redis_keys import GLOBAL_DOMAIN, RedisKeys
 from moe_l2_cache.residency import ExpertPool, PoolError
+from moe_l2_cache.service import Service
 from moe_l2_cache.settings import CacheSettings
 from moe_l2_cache.traffic import TrafficHintController
 from moe_l2_contracts.admin import ADMIN_TOKEN_HEADER, AdminTokenError, token_matches
@@ -57,27 +57,6 @@ from moe_l2_contracts.schemas.hint import HintRequest, HintResponse
 from moe_l2_gguf.index import ExpertIndex, GGUFIndexError, load_index
 
 log = logging.getLogger("moe_l2_cache")
-
-
-@dataclass
-class Service:
-    settings: CacheSettings
-    llama: httpx.AsyncClient
-    hints: HintController | PassThroughHints
-    domains: frozenset[str]  # accepted in hints, and as tables
-    admin_token: str = ""  # "": every admin call is refused
-    admin_problem: str = ""  # why there is no token
-    index: ExpertIndex | None = None
-    reason: str = ""  # why pass-through
-    redis: Redis | None = None
-    keys: RedisKeys | None = None
-    pool: ExpertPool | None = None
-    pool_problem: str | None = None
-    ram_tier: RamTier | None = None  # MOE_L2_RAM_BUDGET
-    flywheel: Flywheel | None = None
-    engine_cache: EngineCacheFeeder | None = None
-    claim: LlamaClaim | None = None  # MOE_L2_CACHE_CLAIM_LLAMA: the replica claimed (settings.llama_url is it)
-    tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
 
 def _load_index(settings: CacheSettings) -> tuple[ExpertIndex | None, str]:
