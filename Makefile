@@ -20,7 +20,7 @@ help:
 	@echo "make check     the inner loop: the tests that need no llama build, no Docker, no Vulkan (~4 min)"
 	@echo "make check-cuda  compile and link the CUDA llama-server for ARCH (default 90; ARCH=native on a GPU)"
 	@echo "make bench-gpu   the GPU check: CUDA build, ds-v2-lite shape, offload benchmark"
-	@echo "make lint      ruff check + format check, hadolint on the Dockerfiles"
+	@echo "make lint      ruff check + format check, hadolint on the Dockerfiles, the import layers and cycles"
 	@echo "make bench     run the benchmarks under bench/ (JSON results in bench/results/)"
 
 install: $(STAMP)
@@ -88,6 +88,8 @@ check: $(STAMP)
 # Every Dockerfile, the stand-ins' included; .hadolint.yaml says why each ignored rule is ignored.
 DOCKERFILES := $(wildcard services/*/Dockerfile tests/containers/standins/*.Dockerfile)
 
+# lint-imports: pyproject.toml's contracts, the packages' layers and no import cycle among the modules
+# (tests/import_cycles.py: a broken one lists every cycle, each import on it with its line).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
