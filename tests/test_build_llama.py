@@ -91,6 +91,59 @@ def test_rpc_is_one_of_the_backends_the_cli_builds(monkeypatch: pytest.MonkeyPat
         build_mod.parse_args(["--rpc", "--vulkan"])  # one backend per build
 
 
+def test_every_local_build_is_native_unless_portable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """With --cpu-moe ggml's CPU code computes the experts, in a CUDA or Vulkan build too: a local build
+    compiles it for this CPU; --portable (the images) for any x86-64 CPU."""
+    built: list[build_mod.BuildConfig] = []
+
+    def fake_build(config: build_mod.BuildConfig, **_: object) -> Path:
+        built.append(config)
+        return tmp_path / "llama-server"
+
+    monkeypatch.setattr(build_mod, "build", fake_build)
+    monkeypatch.setattr(build_mod.cuda_toolchain, "resolve_arch", lambda value: value)  # no nvcc asked
+    for backend in ([], ["--cuda", "--arch", "90"], ["--vulkan"], ["--rpc"]):
+        assert build_mod.main(backend) == 0
+        assert build_mod.main([*backend, "--portable"]) == 0
+    assert [(c.backend, c.native) for c in built] == [
+        (b, native) for b in ("cpu", "cuda", "vulkan", "rpc") for native in (True, False)
+    ]
+    for config in built:
+        assert f"-DGGML_NATIVE={'ON' if config.native else 'OFF'}" in config.cmake_flags()
+
+
+def test_a_native_build_is_keyed_by_the_cpu_it_was_built_for(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A cache shared between hosts must not hand an AVX-512 binary to a CPU without it; a portable one
+    runs anywhere, so its key ignores the CPU."""
+    (tmp_path / "0001-a.patch").write_text("a")
+    patches = build_mod.patch_files(tmp_path)
+    native, portable = build_mod.BuildConfig(backend="cuda"), build_mod.BuildConfig(backend="cuda", native=False)
+    assert build_mod.build_key(native, patches) != build_mod.build_key(portable, patches)
+    keys, read_isa = {}, build_mod.cpu_isa
+    for cpu, flags in {
+        "avx2": "fpu sse4_2 avx avx2 fma constant_tsc",
+        "avx512": "fpu sse4_2 avx avx2 fma avx512f",
+    }.items():
+        info = tmp_path / f"cpuinfo-{cpu}"
+        info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+        monkeypatch.setattr(build_mod, "cpu_isa", lambda info=info: read_isa(info))
+        keys[cpu] = (build_mod.build_key(native, patches), build_mod.build_key(portable, patches))
+    assert keys["avx2"][0] != keys["avx512"][0]
+    assert keys["avx2"][1] == keys["avx512"][1]
+
+
+def test_the_cpu_s_instruction_sets_are_what_a_native_key_reads(tmp_path: Path) -> None:
+    info = tmp_path / "cpuinfo"
+    # the same ISA under another kernel (which names more power-management flags) keeps the key
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f amx_int8 constant_tsc\nbugs\t\t: spectre_v1\n")
+    assert build_mod.cpu_isa(info) == "amx_int8 avx2 avx512f"
+    info.write_text("processor\t: 0\nflags\t\t: avx512f fpu user_shstk avx2 amx_int8\n")
+    assert build_mod.cpu_isa(info) == "amx_int8 avx2 avx512f"
+    info.write_text("processor\t: 0\nFeatures\t: fp asimd sve\n")  # aarch64
+    assert build_mod.cpu_isa(info) == "asimd fp sve"
+    assert build_mod.cpu_isa(tmp_path / "missing") == ""
+
+
 @pytest.mark.llama
 def test_second_call_is_a_cache_hit() -> None:
     llama_binary = build_mod.build()  # built now if the suite started without a cached binary
@@ -296,8 +349,9 @@ def _fake_build(cache: Path, key: str, backend: str, patches: dict[str, str], fl
 def test_a_cuda_build_of_the_current_patches_is_current_whatever_its_flags(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`build-llama --cuda --arch 90` builds without -march=native and for its own architectures:
-    doctor read the key with other defaults and called such a fresh build stale."""
+    """`build-llama --cuda --arch 90 --portable` builds for its own architectures and any CPU: doctor read
+    the key with other defaults and called such a fresh build stale. It names the build `moe-l2 up`
+    serves (here, with no GPU tool on PATH, the CPU one) and lists the others that are current."""
     from moe_l2_ops.doctor import check_llama_binary
 
     patches = build_mod.patch_files(build_mod.default_patches_dir())
@@ -305,15 +359,18 @@ def test_a_cuda_build_of_the_current_patches_is_current_whatever_its_flags(
     stale = {**current, patches[-1].name: "0" * 64}
     _fake_build(tmp_path, "aaaa", "cpu", stale, ["-DGGML_NATIVE=ON"])
     monkeypatch.setenv("MOE_L2_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("PATH", str(tmp_path / "no-tools"))
     monkeypatch.delenv("MOE_L2_LLAMA_SERVER", raising=False)
+    monkeypatch.delenv("MOE_L2_LLAMA_BACKEND", raising=False)
     check = check_llama_binary()
-    assert check.status == "warn" and "none of the current patches" in check.detail
+    assert check.status == "warn" and "the cache holds no build of the current patches" in check.detail
 
     _fake_build(tmp_path, "bbbb", "cuda", current, ["-DGGML_NATIVE=OFF", "-DCMAKE_CUDA_ARCHITECTURES=90"])
     builds = {b.key: b.current for b in build_mod.cached_builds(tmp_path, patches)}
     assert builds == {"aaaa": False, "bbbb": True}
     check = check_llama_binary()
-    assert check.status == "pass" and "cuda build bbbb" in check.detail
+    assert check.status == "warn" and check.detail.startswith("CPU build (no GPU: nvidia-smi not found")
+    assert check.detail.endswith("(also current: cuda)") and "holds no build" not in check.detail
 
 
 def test_the_experts_are_read_ahead_only_when_asked() -> None:

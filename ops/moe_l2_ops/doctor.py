@@ -29,7 +29,6 @@ Status = Literal["pass", "warn", "fail"]
 GiB = 1 << 30
 # The hot-set patch's series: a binary that exports them was built with the project's patches.
 PATCH_MARKERS = (b"moe_hot_hits_total", b"/moe/hot-set")
-BACKEND_PREFERENCE = ("cuda", "vulkan", "cpu")
 PACKAGES = ("moe-l2", "fastapi", "uvicorn", "httpx", "pydantic", "pydantic-settings", "prometheus-client", "redis")
 OPTIONAL_PACKAGES = ("nvidia-ml-py", "torch", "sentence-transformers")
 
@@ -72,41 +71,49 @@ def _binary_has_patches(binary: Path) -> bool:
 
 
 def check_llama_binary() -> Check:
-    from moe_l2_llama.build import cached_builds, default_cache_dir, default_patches_dir, patch_files
+    """The build `moe-l2 up` would serve with, chosen by the same function (plan_serving) and named in
+    the same words as the line `up` logs, then whether it is built with the current patches."""
+    from moe_l2_llama.build import (
+        BuildError,
+        built_binary,
+        cached_builds,
+        default_cache_dir,
+        default_patches_dir,
+        patch_files,
+    )
+    from moe_l2_llama.settings import LlamaSettings, plan_serving
 
-    explicit = os.environ.get("MOE_L2_LLAMA_SERVER")
-    if explicit:
-        binary = Path(explicit)
-        if not binary.is_file() or not os.access(binary, os.X_OK):
+    try:
+        plan = plan_serving(LlamaSettings())
+    except BuildError as exc:
+        return Check("llama-server", "fail", str(exc))
+    if plan.given is not None:
+        binary = plan.given
+        if not os.access(binary, os.X_OK):
             return Check("llama-server", "fail", f"MOE_L2_LLAMA_SERVER={binary} is not an executable file")
         if not _binary_has_patches(binary):
             return Check("llama-server", "fail", f"{binary} lacks the hot-set patch (no moe_hot_hits_total)")
-        return Check("llama-server", "pass", f"{binary} (MOE_L2_LLAMA_SERVER), has the hot-set patch")
+        return Check("llama-server", "pass", f"{plan.summary}, has the hot-set patch")
     patches = patch_files(default_patches_dir())
     builds = cached_builds(default_cache_dir(), patches)
-    current = [b for b in builds if b.current]
-    # a GPU build is what serves when there is one; the newest of a backend otherwise
-    for build in sorted(
-        current, key=lambda b: BACKEND_PREFERENCE.index(b.backend) if b.backend in BACKEND_PREFERENCE else 9
-    ):
-        if not _binary_has_patches(build.binary):
-            return Check(
-                "llama-server", "fail", f"{build.binary} lacks the hot-set patch; `moe-l2 build-llama --force`"
-            )
-        others = sorted({b.backend for b in current} - {build.backend})
-        also = f" (also current: {', '.join(others)})" if others else ""
-        return Check(
-            "llama-server",
-            "pass",
-            f"{build.backend} build {build.key} matches the {len(patches)} patches{also}: {build.binary}",
-        )
-    if builds:
+    current = {b.backend for b in builds if b.current}
+    others = sorted(current - {plan.choice.backend})
+    also = f" (also current: {', '.join(others)})" if others else ""
+    binary = built_binary(plan.choice.config)
+    if binary is None:
+        stale = "; the cache holds no build of the current patches" if builds and not current else ""
         return Check(
             "llama-server",
             "warn",
-            f"{len(builds)} cached builds, none of the current patches; `moe-l2 build-llama` builds it",
+            f"{plan.summary}: not built yet{stale}; `moe-l2 up` builds it (or `{plan.choice.build_command()}`){also}",
         )
-    return Check("llama-server", "warn", "not built yet: `moe-l2 build-llama` (or `moe-l2 up`, which builds it)")
+    if not _binary_has_patches(binary):
+        return Check("llama-server", "fail", f"{binary} lacks the hot-set patch; `moe-l2 build-llama --force`")
+    return Check(
+        "llama-server",
+        "pass",
+        f"{plan.summary}: {binary.parent.parent.name} matches the {len(patches)} patches{also}: {binary}",
+    )
 
 
 def _model_path(settings: OpsSettings, given: Path | None) -> tuple[Path | None, str]:
@@ -156,7 +163,8 @@ def check_gpu() -> Check:
 
     report = nvml_report()
     if report is None:
-        return Check("gpu", "warn", "no NVIDIA driver/GPU visible through NVML: llama-server runs on the CPU")
+        # which build serves (a Vulkan GPU, the CPU) is the llama-server line's to say
+        return Check("gpu", "warn", "no NVIDIA driver/GPU visible through NVML")
     if not report.gpus:
         return Check("gpu", "warn", f"driver {report.driver_version} but no GPU")
     gpus = "; ".join(

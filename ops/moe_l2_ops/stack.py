@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from moe_l2_gguf.demo_model import DemoModelError
     from moe_l2_llama.build import BuildError
-    from moe_l2_llama.settings import LlamaSettings, llama_server_binary
+    from moe_l2_llama.settings import prepare_llama_server
 
     # Explicit for SIGINT too: a shell starting us in the background leaves SIGINT ignored.
     signal.signal(signal.SIGINT, _raise_interrupt)
@@ -206,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         settings.state_dir / "logs", policy=settings.restart_policy(), state_path=settings.state_file
     )
     try:
-        binary = llama_server_binary(LlamaSettings())
+        # logs which build serves and why; a GPU build's defaults go to every replica's environment
+        binary = prepare_llama_server(os.environ)
         model = resolve_model(settings, Path(args.model) if args.model else None)
         admin_token = stack_admin_token(settings)
         services = stack_services(settings, model, binary, admin_token, args.llama_replicas)

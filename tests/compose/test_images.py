@@ -94,7 +94,8 @@ def test_llama_dockerfile(doc: dict[str, Any]) -> None:
     cuda_src = next(re.search(r"--from=(\S+)", r).group(1) for i, r in cuda_build.instructions if i == "COPY")
     assert "build.py --cuda" in runs[cuda_src] and "--cuda-architectures" in runs[cuda_src]
     assert "build.py" in runs["build-cpu"] and "--cuda" not in runs["build-cpu"]
-    assert "--portable" in runs["build-cpu"], "an image must not be tuned for the build machine's CPU"
+    for stage in ("build-cpu", cuda_src):
+        assert "--portable" in runs[stage], f"{stage}: an image must not be tuned for the build machine's CPU"
     assert (ROOT / "services" / "llama" / "moe_l2_llama" / "build.py").is_file()
     arch_arg = re.search(r'ARG CUDA_ARCHITECTURES="?([0-9;]+)', text)
     assert arch_arg and set(arch_arg.group(1).split(";")) >= CUDA_ARCHITECTURES

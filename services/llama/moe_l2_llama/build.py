@@ -74,7 +74,10 @@ class BuildError(Exception):
 class BuildConfig:
     backend: str = "cpu"  # one of BACKENDS
     cuda_architectures: str = CUDA_ARCHITECTURES
-    native: bool = True  # tune for this CPU; images turn it off to run on any host
+    # ggml's CPU code for this machine's CPU (GGML_NATIVE=ON, -march=native): with --cpu-moe it computes
+    # the experts, on a GPU build too. Images and binaries carried to another machine turn it off
+    # (`--portable`), and then get llama.cpp's x86-64 baseline (AVX2, no AVX-512 or AMX).
+    native: bool = True
     extra_flags: tuple[str, ...] = field(default_factory=tuple)
 
     def cmake_flags(self) -> list[str]:
@@ -144,8 +147,31 @@ def ggml_patches(patches: list[Path]) -> dict[str, str]:
     return touching
 
 
+# The instruction-set extensions in /proc/cpuinfo that -march=native turns into compiler flags (x86);
+# the rest of the flags line (power management, kernel features) changes with kernels, not code.
+_ISA_FLAG_RE = re.compile(r"^(sse|ssse|avx|amx|fma|f16c|bmi|popcnt|movbe|v?aes|v?pclmul|gfni|sha|adx|abm|lzcnt)")
+
+
+def cpu_isa(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """This CPU's instruction-set extensions, sorted ("" where /proc/cpuinfo is unreadable): what a
+    native build is compiled for. x86 lists them as `flags`, ARM as `Features` (all of which count)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return ""
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() == "flags":
+            return " ".join(sorted(f for f in set(value.split()) if _ISA_FLAG_RE.match(f)))
+        if name.strip() == "Features":
+            return " ".join(sorted(set(value.split())))
+    return ""
+
+
 def build_key(config: BuildConfig, patches: list[Path]) -> str:
-    """Hash of everything that changes the binary: source, patches, flags, machine."""
+    """Hash of everything that changes the binary: source, patches, flags, machine, and for a native
+    build the CPU's instruction sets, so that a cache shared between hosts (a network home, a cache
+    volume) never hands an AVX-512 binary to a CPU without AVX-512."""
     h = hashlib.sha256()
     h.update(SDIST_SHA256.encode())
     for patch in patches:
@@ -153,6 +179,8 @@ def build_key(config: BuildConfig, patches: list[Path]) -> str:
         h.update(hashlib.sha256(patch.read_bytes()).digest())
     h.update(json.dumps(config.cmake_flags()).encode())
     h.update(platform.machine().encode())
+    if config.native:
+        h.update(cpu_isa().encode())
     return h.hexdigest()[:16]
 
 
@@ -502,6 +530,13 @@ def _complete(binary: Path, config: BuildConfig) -> bool:
     return all((binary.parent / target).is_file() for target in config.targets())
 
 
+def built_binary(config: BuildConfig, cache: Path | None = None, patches_dir: Path | None = None) -> Path | None:
+    """The cached llama-server that build(config) would return at once, None if it would compile."""
+    patches = patch_files(patches_dir or default_patches_dir())
+    binary = cached_binary(cache or default_cache_dir(), build_key(config, patches))
+    return binary if _complete(binary, config) else None
+
+
 @dataclass(frozen=True)
 class CachedBuild:
     key: str
@@ -583,6 +618,7 @@ def build(
             "cmake_flags": config.cmake_flags(),
             "targets": config.targets(),
             "machine": platform.machine(),
+            "native_cpu_isa": cpu_isa() if config.native else None,  # None: portable
             "ccache": ccache is not None,
             "compile_seconds": round(elapsed, 1),
         }
@@ -624,7 +660,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         f"(default {CUDA_ARCHITECTURES})",
     )
     parser.add_argument(
-        "--portable", action="store_true", help="do not tune for this CPU (GGML_NATIVE=OFF), for images"
+        "--portable",
+        action="store_true",
+        help="compile ggml's CPU code for any x86-64 CPU (GGML_NATIVE=OFF), not for this one: for images and "
+        "binaries carried to another machine. Without it every backend's CPU code (which computes the experts "
+        "with --cpu-moe) is tuned for this CPU",
     )
     parser.add_argument("--out", type=Path, help="also copy the binary to OUT/llama-server")
     parser.add_argument("--cache-dir", type=Path, help="cache folder (default ~/.cache/moe-l2 or MOE_L2_CACHE_DIR)")
@@ -652,7 +692,7 @@ def main(argv: list[str] | None = None) -> int:
         config = BuildConfig(
             backend="cuda" if args.cuda else "vulkan" if args.vulkan else "rpc" if args.rpc else "cpu",
             cuda_architectures=arch,
-            native=not (args.portable or args.cuda),
+            native=not args.portable,
         )
         binary = build(config, cache=args.cache_dir, patches_dir=args.patches_dir, jobs=args.jobs, force=args.force)
         if args.out:

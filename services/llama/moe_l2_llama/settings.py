@@ -7,7 +7,9 @@ import json
 import os
 import re
 import shlex
-from collections.abc import Mapping
+import sys
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 from typing import ClassVar, Literal
@@ -19,6 +21,9 @@ from moe_l2_contracts.admin import configured_token
 from moe_l2_contracts.env import ServiceSettings, renamed_before_convention, stack_wide
 from moe_l2_contracts.services import LLAMA
 from moe_l2_domains.known import known_domains
+from moe_l2_llama import cuda_toolchain
+from moe_l2_llama.backend import BackendChoice, GpuDetection, choose_backend, probe_vulkan
+from moe_l2_llama.build import BuildConfig, BuildError, build, built_binary
 
 
 class LlamaSettings(ServiceSettings):
@@ -45,13 +50,28 @@ class LlamaSettings(ServiceSettings):
     server: Path | None = Field(
         default=None, description="use this llama-server binary (built with the patches) instead of building one"
     )
+    backend: Literal["auto", "cpu", "cuda", "vulkan"] = Field(
+        default="auto",
+        description="which build `moe-l2 up` serves with: auto finds the GPU (nvidia-smi: CUDA, vulkaninfo: Vulkan) "
+        "and falls back to the CPU build; cpu forces the CPU build (moe_l2_llama.backend)",
+    )
     host: str = "127.0.0.1"
     port: int = Field(default=LLAMA.port, ge=1, le=65535)
     parallel: int = Field(default=4, ge=1, le=256, description="llama-server slots (-np)")
     ctx_size: int = Field(default=4096, ge=0, description="total context over all slots (-c)")
     threads: int | None = Field(default=None, ge=1, description="CPU threads (-t), llama.cpp picks if unset")
     telemetry: bool = Field(default=True, description="per-domain routing telemetry (LLAMA_MOE_TELEMETRY)")
+    cpu_moe: bool | None = Field(
+        default=None,
+        description="keep every MoE layer's experts in host memory (--cpu-moe); unset: on for a GPU build under "
+        "`moe-l2 up` unless n_cpu_moe is set, as compose.yaml does",
+    )
     n_cpu_moe: int | None = Field(default=None, ge=0, description="keep the experts of the first N layers on the CPU")
+    fit: Literal["on", "off"] | None = Field(
+        default=None,
+        description="let llama.cpp fit unset parameters to the free device memory (--fit); unset: llama.cpp's "
+        "default, off for a GPU build under `moe-l2 up` as in compose.yaml",
+    )
     gpu_layers: int | None = Field(default=None, description="-ngl; unset leaves llama.cpp's default")
     extra_args: str = Field(default="", description="more llama-server arguments, shell-quoted")
     cpu_repack: bool | None = Field(
@@ -106,17 +126,102 @@ def counts_transitions(settings: LlamaSettings) -> bool:
     return settings.telemetry and wanted
 
 
-def llama_server_binary(settings: LlamaSettings) -> Path:
-    """The binary to run: MOE_L2_LLAMA_SERVER if set, else the cached build (built now if missing)."""
+def llama_server_binary(settings: LlamaSettings, choice: BackendChoice | None = None) -> Path:
+    """The binary to run: MOE_L2_LLAMA_SERVER if set, else the cached build of `choice`, built now if
+    missing. Without a choice, the backend settings.backend names; `auto` is `moe-l2 up`'s to resolve
+    (plan_serving) and means the CPU build here, the one tests and benchmarks measure."""
     if settings.server is not None:
         if not settings.server.is_file():
-            from moe_l2_llama.build import BuildError
-
             raise BuildError(f"MOE_L2_LLAMA_SERVER={settings.server} does not exist")
         return settings.server
-    from moe_l2_llama.build import build
+    config = (choice or choose_backend("cpu" if settings.backend == "auto" else settings.backend)).config
+    if config.backend == "cuda" and built_binary(config) is None:
+        config = _checked_cuda_config(config)
+    return build(config)
 
-    return build()
+
+def _checked_cuda_config(config: BuildConfig) -> BuildConfig:
+    """The architectures checked against this nvcc before a 30-minute compile starts (as build-llama does)."""
+    try:
+        return replace(config, cuda_architectures=cuda_toolchain.resolve_arch(config.cuda_architectures))
+    except cuda_toolchain.ToolchainError as exc:
+        raise BuildError(f"{exc} (MOE_L2_LLAMA_BACKEND=cpu serves the CPU build)") from exc
+
+
+# compose.yaml's llama service on a GPU: every layer on the device, the routed experts in host memory,
+# no fitting, and the expert cache in 70% of the device memory the weights and the KV cache leave free.
+GPU_DEFAULTS: Mapping[str, str] = {"gpu_layers": "999", "cpu_moe": "1", "fit": "off", "expert_cache_bytes": "70%"}
+# and decode's expert matmuls on the device for the experts the cache does not hold (compose sets it too)
+GPU_PROCESS_ENV: Mapping[str, str] = {"GGML_OP_OFFLOAD_MIN_BATCH": "1"}
+
+
+@dataclass(frozen=True)
+class ServingPlan:
+    """What `moe-l2 up` serves with: the build and why, and compose's GPU defaults for what the
+    user left unset, as the variables every llama replica's settings read."""
+
+    choice: BackendChoice
+    env: dict[str, str]
+    given: Path | None = None  # MOE_L2_LLAMA_SERVER
+
+    @property
+    def summary(self) -> str:
+        if self.given is None:
+            return self.choice.summary
+        return f"{self.given} ({self.choice.reason})"
+
+    @property
+    def line(self) -> str:
+        return f"llama-server: {self.summary}"
+
+
+def gpu_default_env(settings: LlamaSettings, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """GPU_DEFAULTS as MOE_L2_LLAMA_* variables, for the fields the user did not set (under either of
+    a field's names: model_fields_set holds what any source gave), plus GPU_PROCESS_ENV where unset."""
+    environ = os.environ if environ is None else environ
+    given = settings.model_fields_set
+    env = {}
+    for field, value in GPU_DEFAULTS.items():
+        # a user's --n-cpu-moe split (or --cpu-moe itself) is their choice of where experts live
+        if field in given or (field == "cpu_moe" and "n_cpu_moe" in given):
+            continue
+        env[f"{LLAMA.env_prefix}{field.upper()}"] = value
+    env.update({name: value for name, value in GPU_PROCESS_ENV.items() if name not in environ})
+    return env
+
+
+def plan_serving(settings: LlamaSettings, detection: GpuDetection | None = None) -> ServingPlan:
+    """The build `moe-l2 up` serves with and `moe-l2 doctor` reports (one function, so they agree).
+
+    A CPU build with the expert cache asked for is refused here, in one line, rather than by
+    llama-server after the model has loaded."""
+    if settings.server is not None:
+        backend = known_backend(settings.server)
+        if backend is None:
+            why = "MOE_L2_LLAMA_SERVER; no build-info.json beside it, so its backend is unknown: no GPU defaults"
+            return ServingPlan(BackendChoice("unknown", BuildConfig(), why), {}, settings.server)
+        choice = BackendChoice(backend, BuildConfig(backend=backend), f"MOE_L2_LLAMA_SERVER, a {backend} build")
+        env = gpu_default_env(settings) if backend in ("cuda", "vulkan") else {}
+        return ServingPlan(choice, env, settings.server)
+    choice = choose_backend(settings.backend, detection)
+    if choice.backend == "cpu" and expert_cache_on(settings):
+        raise BuildError(
+            f"MOE_L2_LLAMA_EXPERT_CACHE_BYTES={settings.expert_cache_bytes} needs a GPU build, and this machine "
+            f"serves the {choice.summary}: unset it, or see MOE_L2_LLAMA_BACKEND / MOE_L2_LLAMA_SERVER"
+        )
+    return ServingPlan(choice, gpu_default_env(settings) if choice.backend != "cpu" else {})
+
+
+def prepare_llama_server(environ: MutableMapping[str, str]) -> Path:
+    """`moe-l2 up`'s llama-server: logs which build serves and why, adds the plan's GPU defaults to
+    `environ` (the stack's environment, which each replica's LlamaSettings and llama-server read,
+    as compose's `${VAR:-default}`), and returns the binary, built now if missing."""
+    settings = LlamaSettings()
+    plan = plan_serving(settings)
+    print(plan.line, file=sys.stderr, flush=True)
+    for name, value in plan.env.items():
+        environ.setdefault(name, value)
+    return llama_server_binary(settings, plan.choice)
 
 
 def llama_server_command(binary: Path, model: Path, settings: LlamaSettings) -> list[str]:
@@ -132,8 +237,12 @@ def llama_server_command(binary: Path, model: Path, settings: LlamaSettings) -> 
     ]  # fmt: skip
     if settings.threads:
         cmd += ["--threads", str(settings.threads)]
+    if settings.cpu_moe:
+        cmd.append("--cpu-moe")
     if settings.n_cpu_moe is not None:
         cmd += ["--n-cpu-moe", str(settings.n_cpu_moe)]
+    if settings.fit is not None:
+        cmd += ["--fit", settings.fit]
     if settings.gpu_layers is not None:
         cmd += ["--gpu-layers", str(settings.gpu_layers)]
     if expert_cache_on(settings):
@@ -195,17 +304,24 @@ def cpu_has_amx(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     return "amx_int8" in flags
 
 
-def build_backend(binary: Path) -> str:
+def known_backend(binary: Path) -> str | None:
     """The backend a binary was built for, from the build-info.json that `moe-l2 build-llama` writes
-    next to its bin/ ("cpu" for a binary from elsewhere: nothing says otherwise)."""
+    next to its bin/; None for a binary from elsewhere."""
     info = binary.parent.parent / "build-info.json"
     try:
         data = json.loads(info.read_text())
     except (OSError, ValueError):
-        return "cpu"
+        return None
+    if not isinstance(data, dict):
+        return None
     if backend := data.get("backend"):
         return str(backend)
     return "vulkan" if "-DGGML_VULKAN=ON" in data.get("cmake_flags", []) else "cpu"
+
+
+def build_backend(binary: Path) -> str:
+    """known_backend, "cpu" for a binary from elsewhere: nothing says otherwise."""
+    return known_backend(binary) or "cpu"
 
 
 def device_env(binary: Path) -> dict[str, str]:
@@ -213,9 +329,11 @@ def device_env(binary: Path) -> dict[str, str]:
 
     ggml-vulkan skips devices of type CPU (Mesa's llvmpipe, the software GPU of machines without
     one) unless GGML_VK_VISIBLE_DEVICES names them, and then runs everything on the CPU backend
-    without a word. A Vulkan build therefore gets device 0 unless the environment already chooses:
-    on a machine with several devices, set GGML_VK_VISIBLE_DEVICES yourself.
+    without a word. A Vulkan build therefore gets device 0 unless the environment already chooses,
+    or vulkaninfo lists a real GPU: ggml-vulkan then picks the discrete and integrated GPUs itself,
+    where device 0 could be llvmpipe. On a machine with several devices, set GGML_VK_VISIBLE_DEVICES.
     """
-    if build_backend(binary) == "vulkan" and "GGML_VK_VISIBLE_DEVICES" not in os.environ:
-        return {"GGML_VK_VISIBLE_DEVICES": "0"}
-    return {}
+    if build_backend(binary) != "vulkan" or "GGML_VK_VISIBLE_DEVICES" in os.environ:
+        return {}
+    devices, _ = probe_vulkan()
+    return {} if any(d.is_gpu for d in devices) else {"GGML_VK_VISIBLE_DEVICES": "0"}
