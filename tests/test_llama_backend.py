@@ -241,6 +241,16 @@ def test_up_keeps_what_the_user_set(
     assert env["GGML_OP_OFFLOAD_MIN_BATCH"] == "32"
 
 
+def test_extra_args_that_decide_the_same_are_kept(
+    bin_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MOE_L2_LLAMA_EXTRA_ARGS", "-ot 'blk\\.[0-3]\\..*_exps=CPU' -ngl=40")
+    _, argv, _ = up_on_a_fake_gpu(bin_dir, capsys)
+    assert "--cpu-moe" not in argv and "--gpu-layers" not in argv  # the user's placement and layers
+    assert flag(argv, "-ot") == "blk\\.[0-3]\\..*_exps=CPU" and "-ngl=40" in argv
+    assert flag(argv, "--fit") == "off" and flag(argv, "--moe-cache-bytes") == "70%"
+
+
 def test_up_on_a_cpu_host_runs_what_it_ran_before(bin_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from moe_l2_ops.stack import StackSettings, llama_service
 

@@ -89,7 +89,7 @@ def check_llama_binary() -> Check:
         return Check("llama-server", "fail", str(exc))
     if plan.given is not None:
         binary = plan.given
-        if not os.access(binary, os.X_OK):
+        if not binary.is_file() or not os.access(binary, os.X_OK):
             return Check("llama-server", "fail", f"MOE_L2_LLAMA_SERVER={binary} is not an executable file")
         if not _binary_has_patches(binary):
             return Check("llama-server", "fail", f"{binary} lacks the hot-set patch (no moe_hot_hits_total)")

@@ -153,6 +153,14 @@ def _checked_cuda_config(config: BuildConfig) -> BuildConfig:
 GPU_DEFAULTS: Mapping[str, str] = {"gpu_layers": "999", "cpu_moe": "1", "fit": "off", "expert_cache_bytes": "70%"}
 # and decode's expert matmuls on the device for the experts the cache does not hold (compose sets it too)
 GPU_PROCESS_ENV: Mapping[str, str] = {"GGML_OP_OFFLOAD_MIN_BATCH": "1"}
+# llama-server's flags in MOE_L2_LLAMA_EXTRA_ARGS that already decide what a GPU default would
+# (-ot: the user places tensors, the experts among them, where they want them)
+GPU_DEFAULT_FLAGS: Mapping[str, tuple[str, ...]] = {
+    "gpu_layers": ("-ngl", "--gpu-layers", "--n-gpu-layers"),
+    "cpu_moe": ("-cmoe", "--cpu-moe", "-ncmoe", "--n-cpu-moe", "-ot", "--override-tensor"),
+    "fit": ("-fit", "--fit"),
+    "expert_cache_bytes": ("--moe-cache-bytes",),
+}
 
 
 @dataclass(frozen=True)
@@ -180,10 +188,11 @@ def gpu_default_env(settings: LlamaSettings, environ: Mapping[str, str] | None =
     a field's names: model_fields_set holds what any source gave), plus GPU_PROCESS_ENV where unset."""
     environ = os.environ if environ is None else environ
     given = settings.model_fields_set
+    extra = {arg.split("=", 1)[0] for arg in shlex.split(settings.extra_args)}
     env = {}
     for field, value in GPU_DEFAULTS.items():
         # a user's --n-cpu-moe split (or --cpu-moe itself) is their choice of where experts live
-        if field in given or (field == "cpu_moe" and "n_cpu_moe" in given):
+        if field in given or (field == "cpu_moe" and "n_cpu_moe" in given) or extra & set(GPU_DEFAULT_FLAGS[field]):
             continue
         env[f"{LLAMA.env_prefix}{field.upper()}"] = value
     env.update({name: value for name, value in GPU_PROCESS_ENV.items() if name not in environ})
