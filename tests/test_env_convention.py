@@ -42,6 +42,8 @@ STACK_WIDE = {
     # the model file's memory on its host, not one service's setting (docs/ram-tier.md); the issue
     # that asked for it names it so
     "MOE_L2_RAM_BUDGET",
+    # one switch for every launcher: a gateway reachable beyond loopback may run without API keys
+    "MOE_L2_ALLOW_OPEN",
 }
 
 

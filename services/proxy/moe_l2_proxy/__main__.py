@@ -21,6 +21,10 @@ def main() -> None:
         sys.exit(f"moe_l2_proxy: invalid settings: {errors}")
     level = settings.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if problem := settings.open_exposure():  # allowed only with MOE_L2_ALLOW_OPEN=1 (settings refuse it otherwise)
+        logging.getLogger("moe_l2_proxy").warning(
+            "MOE_L2_ALLOW_OPEN=1: %s without API keys: anyone there may use it", problem
+        )
     app = create_app(settings)
     uvicorn.run(
         app,

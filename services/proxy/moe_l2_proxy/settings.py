@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Mapping
 from typing import ClassVar, Literal
 
@@ -16,6 +17,18 @@ from moe_l2_contracts.services import CACHE_MANAGER, LLAMA, PREDICTOR, PROXY
 def split_list(value: str) -> list[str]:
     """A comma-separated setting as a list, blanks dropped."""
     return [item.strip() for item in value.split(",") if item.strip()]
+
+
+def is_loopback(host: str) -> bool:
+    """True for an address only this machine reaches: localhost, 127.0.0.0/8, ::1 (not 0.0.0.0 or ::, which
+    mean every interface)."""
+    host = host.strip().strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: whatever it resolves to, it is not known to be loopback
 
 
 class ProxySettings(ServiceSettings):
@@ -42,8 +55,21 @@ class ProxySettings(ServiceSettings):
         "origins",
     )
 
-    host: str = "127.0.0.1"
+    host: str = Field(default="127.0.0.1", description="the address the gateway listens on")
     port: int = Field(default=PROXY.port, ge=1, le=65535)
+    exposed_host: str = Field(
+        default="",
+        description="the address clients reach the gateway on when something in front of it publishes its port "
+        "(compose passes MOE_L2_BIND, the host address of the published port, while the gateway listens on 0.0.0.0 "
+        "inside its container); empty: MOE_L2_PROXY_HOST. Anything but loopback needs MOE_L2_PROXY_API_KEYS "
+        "or MOE_L2_ALLOW_OPEN=1",
+    )
+    allow_open: bool = stack_wide(
+        "ALLOW_OPEN",
+        default=False,
+        description="1 serves a gateway reachable beyond loopback without API keys (logged at start); without it "
+        "such a gateway refuses to start",
+    )
 
     llama_url: str = stack_wide(
         "LLAMA_URL", default_factory=lambda: LLAMA.local_url(), description="the one llama, when LLAMA_URLS is unset"
@@ -156,6 +182,26 @@ class ProxySettings(ServiceSettings):
     @property
     def origin_list(self) -> list[str]:
         return split_list(self.origins)
+
+    @model_validator(mode="after")
+    def _no_open_gateway(self) -> ProxySettings:
+        if problem := self.open_exposure():
+            if not self.allow_open:
+                raise ValueError(
+                    f"{problem} without API keys: set MOE_L2_PROXY_API_KEYS (comma-separated keys), "
+                    "or MOE_L2_ALLOW_OPEN=1 to serve it open"
+                )
+        return self
+
+    def open_exposure(self) -> str:
+        """What makes this gateway open: reachable beyond loopback with no API key ('' if it is not)."""
+        if self.api_key_list:
+            return ""
+        where = self.exposed_host.strip() or self.host
+        if is_loopback(where):
+            return ""
+        via = "published" if self.exposed_host.strip() else "listening"
+        return f"the gateway would be reachable on {where} ({via})"
 
     @model_validator(mode="after")
     def _cache_urls_pair_up(self) -> ProxySettings:
