@@ -122,14 +122,43 @@ def check_admin_token(doc: dict[str, Any]) -> None:
 
 def check_cache_manager(doc: dict[str, Any]) -> None:
     cache = doc["services"]["cache-manager"]
-    assert cache.get("ipc") == "host"
-    assert {c.upper().removeprefix("CAP_") for c in cache.get("cap_add", [])} >= {"IPC_LOCK"}
+    # the page cache the pool works on is the host kernel's in any IPC namespace (docs/kubernetes.md)
+    assert "ipc" not in cache, "the cache-manager needs no IPC namespace but its own"
+    assert "pid" not in cache and "user" not in cache, "llama's PID namespace and root: compose.ram-tier.yaml only"
+    assert {c.upper().removeprefix("CAP_") for c in cache.get("cap_add", [])} == {"IPC_LOCK"}
     memlock = (cache.get("ulimits") or {}).get("memlock")
     assert memlock is not None, "cache-manager has no memlock ulimit"
     limits = (memlock, memlock) if isinstance(memlock, int) else (memlock.get("soft"), memlock.get("hard"))
     assert all(int(x) == -1 for x in limits), f"memlock must be unlimited, not {memlock}"
     assert as_argv(cache.get("command")) == ["python", "-m", "moe_l2_cache"]
+    entrypoint = as_argv(cache.get("entrypoint"))
+    assert entrypoint[:2] == ["sh", "-c"] and 'exec "$@"' in entrypoint[2], "the RAM-budget guard must exec the command"
     check_cache_manager_env(as_dict(cache.get("environment")))
+
+
+def check_ram_tier(doc: dict[str, Any]) -> None:
+    """compose.ram-tier.yaml merged: what docs/ram-tier.md says the tier needs in a container."""
+    cache = doc["services"]["cache-manager"]
+    assert cache.get("pid") == "service:llama", "the tier must see llama's processes"
+    caps = {c.upper().removeprefix("CAP_") for c in cache.get("cap_add", [])}
+    assert caps >= {"IPC_LOCK", "SYS_NICE", "SYS_PTRACE"}, caps
+    assert str(cache.get("user", "")).split(":")[0] == "0", "added capabilities reach no non-root process"
+    assert as_dict(cache.get("environment")).get("MOE_L2_RAM_BUDGET"), "the override without a budget"
+    llama = as_dict(doc["services"]["llama"].get("environment"))
+    assert llama.get("LLAMA_ARG_MOE_WILLNEED") == "1", "llama reads the chosen experts ahead (--moe-willneed)"
+
+
+def run_cache_manager_entrypoint(
+    cache: dict[str, Any], extra_env: dict[str, str], *, own_pid_namespace: bool
+) -> subprocess.CompletedProcess[str]:
+    """The cache-manager's entrypoint (a compose service's fields, `$$` already `$`) run by a real sh, its
+    command replaced by `env`; `own_pid_namespace`: the shell is PID 1 of a new PID namespace, as in a
+    container without `pid: service:llama` (needs root, for unshare)."""
+    env = {"PATH": "/usr/bin:/bin", **as_dict(cache.get("environment")), **extra_env}
+    argv = [*as_argv(cache["entrypoint"]), "env"]
+    if own_pid_namespace:
+        argv = ["unshare", "--pid", "--fork", "--mount-proc", *argv]
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30)
 
 
 def check_cache_manager_env(env: dict[str, str], llama_url: str = "http://llama:11436") -> None:
@@ -243,11 +272,45 @@ def check_proxy(doc: dict[str, Any]) -> None:
     assert env.get("MOE_L2_CACHE_URLS") == "http://cache-manager:11438"
     assert env.get("MOE_L2_PROXY_CACHE_PAIRING") == "discover"
     assert not {"MOE_L2_LLAMA_URL", "MOE_L2_CACHE_URL"} & set(env), "one name each: the lists"
+    check_proxy_exposure(proxy)
     cache = as_dict(doc["services"]["cache-manager"].get("environment"))
     assert cache.get("MOE_L2_CACHE_CLAIM_LLAMA") in ("1", "true"), "each cache-manager must claim its own llama"
     for name in ("llama", "cache-manager"):
         for key in ("container_name", "ports", "hostname"):
             assert key not in doc["services"][name], f"{name} sets {key}: `--scale {name}=N` would break"
+
+
+def check_proxy_exposure(proxy: dict[str, Any], bind: str = "127.0.0.1") -> None:
+    """The gateway listens on 0.0.0.0 in its container and is told where it is really published (so that
+    it refuses to start open beyond loopback), and takes the keys and MOE_L2_ALLOW_OPEN from the user."""
+    env = as_dict(proxy.get("environment"))
+    assert env.get("MOE_L2_PROXY_HOST") == "0.0.0.0"
+    [port] = published_ports(proxy)
+    assert env.get("MOE_L2_PROXY_EXPOSED_HOST") == port.host_ip == bind, "the gateway must know what is published"
+    assert "MOE_L2_PROXY_API_KEYS" in env, "compose must pass the API keys"
+    assert env.get("MOE_L2_ALLOW_OPEN") in ("0", "", "false"), "open only on the user's word"
+
+
+def check_grafana_login(doc: dict[str, Any]) -> None:
+    """No admin/admin, no anonymous editor: the admin password is a file the one-shot writes."""
+    grafana = doc["services"]["grafana"]
+    env = as_dict(grafana.get("environment"))
+    assert env.get("GF_AUTH_ANONYMOUS_ENABLED") == "false", "anonymous access"
+    assert "GF_AUTH_ANONYMOUS_ORG_ROLE" not in env and env.get("GF_USERS_ALLOW_SIGN_UP") == "false"
+    assert "GF_SECURITY_ADMIN_PASSWORD" not in env, "a password in the environment (admin by default)"
+    password_file = env.get("GF_SECURITY_ADMIN_PASSWORD__FILE", "")
+    folder = password_file.rsplit("/", 1)[0]
+    [mount] = [m for m in mounts(grafana) if m.target == folder] or [None]
+    assert mount and mount.kind == "volume" and mount.read_only, "Grafana's password volume"
+    init = doc["services"]["admin-token"]
+    [writer] = [m for m in mounts(init) if m.source == mount.source] or [None]
+    assert writer and not writer.read_only, "the one-shot does not write Grafana's password"
+    init_env = as_dict(init.get("environment"))
+    assert init_env.get("GF_SECURITY_ADMIN_PASSWORD__FILE", "").rsplit("/", 1)[0] == writer.target
+    assert "MOE_L2_GRAFANA_ADMIN_PASSWORD" in init_env
+    assert (grafana.get("depends_on") or {}).get("admin-token", {}).get(
+        "condition"
+    ) == "service_completed_successfully", "Grafana may start before its password exists"
 
 
 def check_redis(doc: dict[str, Any]) -> None:
@@ -265,10 +328,17 @@ def check_images(doc: dict[str, Any]) -> None:
             assert image_is_pinned(service.get("image", "")), f"{name}: pin an exact image tag"
 
 
+# An override whose whole point is one variable may require it (`:?`): compose then stops, saying so.
+REQUIRED = {"compose.ram-tier.yaml": {"MOE_L2_RAM_BUDGET"}}
+
+
 def check_variables(texts: dict[str, str]) -> None:
     for filename, text in texts.items():
         for name, op in variables(text).items():
             assert name.startswith("MOE_L2_"), f"{filename}: configuration variables are MOE_L2_*, not {name}"
+            if name in REQUIRED.get(filename, ()):
+                assert op == ":?", f"{filename}: ${{{name}}} must be required"
+                continue
             assert op in (":-", "-"), f"{filename}: ${{{name}}} has no default: plain `docker compose up` breaks"
 
 

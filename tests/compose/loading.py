@@ -13,6 +13,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"
 COMPOSE_CPU = ROOT / "compose.cpu.yaml"
+COMPOSE_RAM_TIER = ROOT / "compose.ram-tier.yaml"
 PROMETHEUS = ROOT / "services" / "prometheus" / "prometheus.yml"
 GRAFANA = ROOT / "services" / "grafana"
 

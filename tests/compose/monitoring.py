@@ -70,7 +70,7 @@ def check_grafana(
 
     env = as_dict(grafana.get("environment"))
     assert env.get("GF_AUTH_ANONYMOUS_ENABLED") == "false"
-    assert env.get("GF_SECURITY_ADMIN_PASSWORD"), "set Grafana's admin password from the environment"
+    assert env.get("GF_SECURITY_ADMIN_PASSWORD__FILE"), "Grafana's admin password: the one-shot's file"
 
     assert dashboard["uid"] == "moe-l2" and dashboard["title"] == "moe-l2"
     panels = []

@@ -26,6 +26,7 @@ from tests.compose.checks import (
     check_cache_manager,
     check_depends_on,
     check_domains,
+    check_grafana_login,
     check_healthchecks,
     check_images,
     check_llama_command,
@@ -35,13 +36,16 @@ from tests.compose.checks import (
     check_ports,
     check_predictor,
     check_proxy,
+    check_proxy_exposure,
+    check_ram_tier,
     check_redis,
     check_schema,
     check_services,
     check_variables,
+    run_cache_manager_entrypoint,
     run_llama_entrypoint,
 )
-from tests.compose.loading import COMPOSE, COMPOSE_CPU, ROOT, interpolate
+from tests.compose.loading import COMPOSE, COMPOSE_CPU, COMPOSE_RAM_TIER, ROOT, interpolate, load_compose_text, merge
 from tests.compose.shapes import as_argv, as_dict, flag_value, published_ports
 
 
@@ -81,6 +85,54 @@ def test_llama_command(doc: dict[str, Any], raw: dict[str, Any]) -> None:
 
 def test_cache_manager(doc: dict[str, Any]) -> None:
     check_cache_manager(doc)
+
+
+def _ram_tier(raw: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+    return interpolate(merge(raw, load_compose_text(COMPOSE_RAM_TIER.read_text())), env)
+
+
+def test_ram_tier_override(raw: dict[str, Any], schema: dict[str, Any]) -> None:
+    doc = _ram_tier(raw, {"MOE_L2_RAM_BUDGET": "6GiB"})
+    check_ram_tier(doc)
+    check_schema(doc, schema)
+    assert as_dict(doc["services"]["cache-manager"]["environment"])["MOE_L2_RAM_BUDGET"] == "6GiB"
+    with pytest.raises(AssertionError, match=r"compose\.ram-tier\.yaml needs MOE_L2_RAM_BUDGET"):
+        _ram_tier(raw, {})  # the override without a budget: compose stops, saying so
+    with pytest.raises(AssertionError):
+        check_ram_tier(interpolate(raw, {"MOE_L2_RAM_BUDGET": "6GiB"}))  # compose.yaml alone is not the tier
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="unshare --pid needs root")
+def test_the_cache_manager_refuses_a_ram_budget_without_llamas_pid_namespace(raw: dict[str, Any]) -> None:
+    """compose.yaml alone: the entrypoint is PID 1 of its own namespace and refuses the budget in one line."""
+    cache = interpolate(raw, {"MOE_L2_RAM_BUDGET": "6GiB"})["services"]["cache-manager"]
+    refused = run_cache_manager_entrypoint(cache, {}, own_pid_namespace=True)
+    assert refused.returncode == 1 and refused.stdout == ""
+    assert refused.stderr.strip().splitlines() == [
+        "MOE_L2_RAM_BUDGET needs llama's PID namespace: add -f compose.ram-tier.yaml (docs/ram-tier.md)"
+    ]
+    # llama's namespace (the override): the shell is not PID 1, the command runs with the budget
+    tier = _ram_tier(raw, {"MOE_L2_RAM_BUDGET": "6GiB"})["services"]["cache-manager"]
+    ran = run_cache_manager_entrypoint(tier, {}, own_pid_namespace=False)
+    assert ran.returncode == 0 and "MOE_L2_RAM_BUDGET=6GiB" in ran.stdout.splitlines(), ran.stderr
+    # no budget: it runs either way, and the empty variable compose passes is not handed on
+    plain = interpolate(raw)["services"]["cache-manager"]
+    ran = run_cache_manager_entrypoint(plain, {}, own_pid_namespace=True)
+    assert ran.returncode == 0, ran.stderr
+    assert not any(line.startswith("MOE_L2_RAM_BUDGET=") for line in ran.stdout.splitlines())
+    assert "MOE_L2_CACHE_POOL_BYTES=8589934592" in ran.stdout.splitlines()
+
+
+def test_the_gateway_knows_where_it_is_published(doc: dict[str, Any], raw: dict[str, Any]) -> None:
+    check_proxy_exposure(doc["services"]["proxy"])
+    wide = interpolate(raw, {"MOE_L2_BIND": "0.0.0.0", "MOE_L2_PROXY_API_KEYS": "k1,k2"})["services"]["proxy"]
+    check_proxy_exposure(wide, bind="0.0.0.0")
+    assert as_dict(wide["environment"])["MOE_L2_PROXY_API_KEYS"] == "k1,k2"
+
+
+def test_grafana_has_no_default_login(doc: dict[str, Any], doc_cpu: dict[str, Any]) -> None:
+    check_grafana_login(doc)
+    check_grafana_login(doc_cpu)
 
 
 def test_admin_token_wiring(doc: dict[str, Any], doc_cpu: dict[str, Any], raw: dict[str, Any]) -> None:
@@ -139,14 +191,38 @@ def test_admin_token_init_creates_a_private_token_once(doc: dict[str, Any], tmp_
         pytest.skip("the init container runs as root to hand the file to uid 10001")
     init = doc["services"]["admin-token"]
     token_file = tmp_path / "volume" / "admin-token"
-    env = {**os.environ, **as_dict(init.get("environment")), "MOE_L2_ADMIN_TOKEN_FILE": str(token_file)}
+    grafana_file = tmp_path / "grafana" / "admin-password"
+    grafana_file.parent.mkdir()
+    env = {
+        **os.environ,
+        **as_dict(init.get("environment")),
+        "MOE_L2_ADMIN_TOKEN_FILE": str(token_file),
+        "GF_SECURITY_ADMIN_PASSWORD__FILE": str(grafana_file),
+    }
     argv = [sys.executable if a == "python" else a for a in as_argv(init["command"])]
     subprocess.run(argv, env=env, check=True, timeout=60)
     token = token_file.read_text().strip()
     st = token_file.stat()
     assert len(token) == 64 and (st.st_mode & 0o777, st.st_uid, st.st_gid) == (0o600, SERVICE_UID, SERVICE_UID)
+    # Grafana's admin password: generated, private to Grafana's uid, never admin
+    password = grafana_file.read_text()
+    st = grafana_file.stat()
+    assert len(password) >= 24 and password != "admin"
+    assert (st.st_mode & 0o777, st.st_uid) == (0o400, 472)
     subprocess.run(argv, env=env, check=True, timeout=60)  # the next `docker compose up`
     assert token_file.read_text().strip() == token, "the token changed at the second start"
+    assert grafana_file.read_text() == password, "Grafana's password changed at the second start"
+    # the user's own password wins; `admin` is refused in one line
+    given = {**env, "MOE_L2_GRAFANA_ADMIN_PASSWORD": "correct horse"}
+    subprocess.run(argv, env=given, check=True, timeout=60)
+    assert grafana_file.read_text() == "correct horse"
+    refused = subprocess.run(
+        argv, env={**env, "MOE_L2_GRAFANA_ADMIN_PASSWORD": "admin"}, capture_output=True, text=True, timeout=60
+    )
+    assert refused.returncode == 1
+    assert refused.stderr.strip().splitlines() == [
+        "MOE_L2_GRAFANA_ADMIN_PASSWORD=admin is refused: choose another Grafana password"
+    ]
     for service in TOKEN_HOLDERS:
         dockerfile = (ROOT / "services" / service / "Dockerfile").read_text()
         assert f"USER {SERVICE_UID}:{SERVICE_UID}" in dockerfile, f"{service} would not own the token file"
@@ -186,7 +262,7 @@ def test_images_are_pinned(doc: dict[str, Any]) -> None:
 
 
 def test_variables_are_moe_l2_with_defaults() -> None:
-    check_variables({p.name: p.read_text() for p in (COMPOSE, COMPOSE_CPU)})
+    check_variables({p.name: p.read_text() for p in (COMPOSE, COMPOSE_CPU, COMPOSE_RAM_TIER)})
 
 
 def _compose_cli() -> list[str] | None:

@@ -15,6 +15,7 @@ from tests.compose.checks import (
     check_cache_manager,
     check_depends_on,
     check_domains,
+    check_grafana_login,
     check_healthchecks,
     check_images,
     check_llama_command,
@@ -24,6 +25,7 @@ from tests.compose.checks import (
     check_ports,
     check_predictor,
     check_proxy,
+    check_proxy_exposure,
     check_redis,
     check_schema,
     check_services,
@@ -63,7 +65,34 @@ COMPOSE_MUTATIONS: dict[str, tuple[_Check, _Check]] = {
     "GPU without gpu capability": (_edit("services", "llama", *_GPU, value=["compute"]), check_llama_gpu),
     "no --metrics": (_edit("services", "llama", "command", without="--metrics"), check_llama_command),
     "no telemetry": (_edit("services", "llama", "environment", "LLAMA_MOE_TELEMETRY"), check_llama_command),
-    "no ipc host": (_edit("services", "cache-manager", "ipc"), check_cache_manager),
+    "ipc host back": (_edit("services", "cache-manager", "ipc", value="host"), check_cache_manager),
+    "llama's PID namespace in the base": (
+        _edit("services", "cache-manager", "pid", value="service:llama"),
+        check_cache_manager,
+    ),
+    "no RAM-budget guard": (_edit("services", "cache-manager", "entrypoint"), check_cache_manager),
+    "proxy without API keys": (_edit("services", "proxy", "environment", "MOE_L2_PROXY_API_KEYS"), check_proxy),
+    "proxy published wide while told loopback": (
+        _edit("services", "proxy", "ports", value=["0.0.0.0:11435:11435"]),
+        check_proxy,
+    ),
+    "proxy not told where it is published": (
+        _edit("services", "proxy", "environment", "MOE_L2_PROXY_EXPOSED_HOST"),
+        lambda doc: check_proxy_exposure(doc["services"]["proxy"]),
+    ),
+    "proxy open by default": (_edit("services", "proxy", "environment", "MOE_L2_ALLOW_OPEN", value="1"), check_proxy),
+    "grafana admin/admin": (
+        _edit("services", "grafana", "environment", "GF_SECURITY_ADMIN_PASSWORD", value="admin"),
+        check_grafana_login,
+    ),
+    "grafana anonymous": (
+        _edit("services", "grafana", "environment", "GF_AUTH_ANONYMOUS_ENABLED", value="true"),
+        check_grafana_login,
+    ),
+    "grafana starts before its password": (
+        _edit("services", "grafana", "depends_on", "admin-token"),
+        check_grafana_login,
+    ),
     "no IPC_LOCK": (_edit("services", "cache-manager", "cap_add"), check_cache_manager),
     "no memlock": (_edit("services", "cache-manager", "ulimits"), check_cache_manager),
     "limited memlock": (

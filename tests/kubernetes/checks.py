@@ -24,7 +24,7 @@ SCRAPED = set(MOE_L2_SERVICES)
 TOKEN_READERS = TOKEN_HOLDERS
 # llama replicas per target: the gpu overlay runs two for the gateway's expert-affinity routing
 # (deploy/kubernetes/overlays/gpu/llama-gpu.yaml says why); the base and the CPU overlay one.
-LLAMA_REPLICAS = {"base": 1, "cpu": 1, "gpu": 2}
+LLAMA_REPLICAS = {"base": 1, "cpu": 1, "gpu": 2, "ram-tier": 1}
 
 
 def check_no_gpu(objects: list[Obj]) -> None:
@@ -119,6 +119,34 @@ def check_security(objects: list[Obj]) -> None:
             assert caps.get("drop") == ["ALL"] and not caps.get("add"), f"{name}: capabilities {caps}"
             if name in MOE_L2_SERVICES:
                 assert context.get("runAsUser") == SERVICE_UID, f"{name}: not the images' uid {SERVICE_UID}"
+
+
+def check_ram_tier(objects: list[Obj]) -> None:
+    """overlays/ram-tier: what docs/ram-tier.md says the tier needs in a pod, and nothing more: one PID
+    namespace for the llama pod, the cache-manager root with the three capabilities, llama reading ahead;
+    every other container as `restricted` as in the base."""
+    [namespace] = [o for o in objects if o["kind"] == "Namespace"]
+    labels = namespace["metadata"]["labels"]
+    assert labels.get("pod-security.kubernetes.io/enforce") == "privileged", "added capabilities need privileged"
+    llama_set = find(objects, "StatefulSet", "llama")
+    assert pod_spec(llama_set).get("shareProcessNamespace") is True, "the cache-manager cannot see llama-server"
+    assert llama_set["spec"]["replicas"] == 1, "one tier per model file on a node"
+    cache, _ = containers(objects)["cache-manager"]
+    sc = cache["securityContext"]
+    assert sc.get("runAsUser") == 0 and sc.get("runAsNonRoot") is False, "added capabilities reach no non-root process"
+    assert set(sc["capabilities"].get("add", [])) == {"IPC_LOCK", "SYS_NICE", "SYS_PTRACE"}
+    assert sc["capabilities"].get("drop") == ["ALL"] and sc.get("allowPrivilegeEscalation") is False
+    assert env(cache).get("MOE_L2_RAM_BUDGET"), "the overlay without a budget"
+    llama, _ = containers(objects)["llama"]
+    assert env(llama).get("LLAMA_ARG_MOE_WILLNEED") == "1"
+    for name, (container, workload) in containers(objects).items():
+        if name == "cache-manager":
+            continue
+        csc = container.get("securityContext", {})
+        assert not csc.get("capabilities", {}).get("add"), f"{name}: capabilities beyond the base"
+        assert pod_spec(workload).get("securityContext", {}).get("runAsNonRoot") is True, name
+        if workload["metadata"]["name"] != "llama":
+            assert not pod_spec(workload).get("shareProcessNamespace"), f"{name}: a shared PID namespace"
 
 
 def check_admin_token(objects: list[Obj]) -> None:

@@ -14,7 +14,14 @@ import yaml
 from tests.compose.loading import ROOT
 
 KUSTOMIZE = ROOT / "deploy" / "kubernetes"
-TARGETS = {"base": KUSTOMIZE / "base", "cpu": KUSTOMIZE / "overlays" / "cpu", "gpu": KUSTOMIZE / "overlays" / "gpu"}
+TARGETS = {
+    "base": KUSTOMIZE / "base",
+    "cpu": KUSTOMIZE / "overlays" / "cpu",
+    "gpu": KUSTOMIZE / "overlays" / "gpu",
+    "ram-tier": KUSTOMIZE / "overlays" / "ram-tier",
+}
+# The targets Pod Security `restricted` admits; the RAM tier's cannot be (docs/kubernetes.md).
+RESTRICTED = ("base", "cpu", "gpu")
 WORKLOADS = ("Deployment", "StatefulSet")
 
 Obj = dict[str, Any]

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import re
 import shutil
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,7 @@ from tests.compose.checks import (
 from tests.compose.loading import COMPOSE, COMPOSE_CPU, GRAFANA, interpolate, load_compose_text, merge
 from tests.kubernetes import checks
 from tests.kubernetes.rendering import (
+    RESTRICTED,
     TARGETS,
     Obj,
     compose_view,
@@ -156,7 +159,6 @@ def test_every_variable_is_read(target: str) -> None:
     [
         checks.check_llama_pod,
         checks.check_gateway_replicas,
-        checks.check_security,
         checks.check_admin_token,
         checks.check_network_policies,
         checks.check_services,
@@ -169,7 +171,6 @@ def test_every_variable_is_read(target: str) -> None:
     ids=[
         "llama_pod",
         "gateway_replicas",
-        "security",
         "admin_token",
         "network_policies",
         "services",
@@ -183,6 +184,57 @@ def test_every_variable_is_read(target: str) -> None:
 @pytest.mark.parametrize("target", sorted(TARGETS))
 def test_property(target: str, check: Callable[[list[Obj]], None]) -> None:
     check(rendered(target))
+
+
+@pytest.mark.parametrize("target", RESTRICTED)
+def test_security(target: str) -> None:
+    """Pod Security `restricted` (the RAM tier's overlay cannot be: test_ram_tier_overlay)."""
+    checks.check_security(rendered(target))
+
+
+def test_ram_tier_overlay() -> None:
+    objects = rendered("ram-tier")
+    checks.check_ram_tier(objects)
+    for target in RESTRICTED:
+        with pytest.raises(AssertionError):
+            checks.check_ram_tier(rendered(target))
+    # one thing at a time undone, the check fails
+    for undo in (
+        lambda o: pod_spec(find(o, "StatefulSet", "llama")).pop("shareProcessNamespace"),
+        lambda o: _container(o, "cache-manager")["securityContext"]["capabilities"].update(add=["IPC_LOCK"]),
+        lambda o: _container(o, "cache-manager")["securityContext"].update(runAsUser=10001, runAsNonRoot=True),
+        lambda o: _container(o, "llama")["securityContext"]["capabilities"].update(add=["SYS_PTRACE"]),
+        lambda o: _container(o, "cache-manager").update(
+            env=[e for e in _container(o, "cache-manager")["env"] if e["name"] != "MOE_L2_RAM_BUDGET"]
+        ),
+    ):
+        broken = rendered("ram-tier")
+        undo(broken)
+        with pytest.raises(AssertionError):
+            checks.check_ram_tier(broken)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="unshare --pid needs root")
+def test_the_base_refuses_a_ram_budget_in_one_line() -> None:
+    """The cache-manager's shell as the kubelet hands it over: in its own PID namespace (the base) it
+    refuses MOE_L2_RAM_BUDGET; in the pod's shared one (the overlay; PID 1 is the pause process) it runs."""
+    for target, own_namespace, expected in (("base", True, 1), ("ram-tier", False, 0), ("cpu", True, 0)):
+        cache, _ = containers(rendered(target))["cache-manager"]
+        variables = env(cache)
+        if target == "base":
+            variables["MOE_L2_RAM_BUDGET"] = "6GiB"  # what a user's own patch of the base would add
+        argv = [kubelet_expand(a, variables) for a in cache["command"]] + ["env"]
+        if own_namespace:
+            argv = ["unshare", "--pid", "--fork", "--mount-proc", *argv]
+        done = subprocess.run(argv, env={"PATH": "/usr/bin:/bin", **variables}, capture_output=True, text=True)
+        assert done.returncode == expected, (target, done.stderr)
+        if expected:
+            assert done.stderr.strip().splitlines() == [
+                "MOE_L2_RAM_BUDGET needs llama's PID namespace: use the overlay overlays/ram-tier (docs/kubernetes.md)"
+            ]
+        else:
+            budget = [line for line in done.stdout.splitlines() if line.startswith("MOE_L2_RAM_BUDGET=")]
+            assert budget == (["MOE_L2_RAM_BUDGET=24GiB"] if target == "ram-tier" else []), budget
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))
