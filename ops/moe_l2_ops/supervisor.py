@@ -58,6 +58,11 @@ class ServiceSpec:
     # False: the stack keeps serving (degraded) when this service's restarts are given up
     required: bool = True
 
+    def environment(self) -> dict[str, str]:
+        """What the process starts with: the supervisor's environment (every MOE_L2_* setting the user
+        gave), with this service's own variables over it."""
+        return {**os.environ, **self.env}
+
 
 @dataclass(frozen=True)
 class RestartPolicy:
@@ -206,7 +211,7 @@ class Supervisor:
         return service
 
     def _spawn(self, spec: ServiceSpec, log_file: IO[bytes]) -> subprocess.Popen[bytes]:
-        env = {**os.environ, **spec.env}
+        env = spec.environment()
         try:
             # A new process group: Ctrl-C in the terminal reaches us, and we stop children in order.
             return subprocess.Popen(
