@@ -250,6 +250,7 @@ SERIES = [
     "0024-expert-cache-host-memory.patch",
     "0025-cpu-mul-mat-id-skip.patch",
     "0026-expert-cache-cpu-misses.patch",
+    "0027-server-blocking-disconnect.patch",
 ]
 
 

@@ -10,7 +10,9 @@ import dataclasses
 import json
 import random
 import re
+import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -438,9 +440,11 @@ def start_custom(
     supervisor = Supervisor(tmp_path_factory.mktemp("llama-custom-logs"))
     clients: list[httpx.Client] = []
 
-    def start(name: str, *, env: dict[str, str] | None = None, extra_args: str = "") -> LlamaServer:
+    def start(
+        name: str, *, env: dict[str, str] | None = None, extra_args: str = "", ctx_size: int = 2048
+    ) -> LlamaServer:
         settings = LlamaSettings(
-            port=free_port(), parallel=2, ctx_size=2048, telemetry=True, threads=2, extra_args=extra_args
+            port=free_port(), parallel=2, ctx_size=ctx_size, telemetry=True, threads=2, extra_args=extra_args
         )
         spec = llama_service_spec(name, llama_binary, demo_model, settings)
         running = supervisor.start(dataclasses.replace(spec, env={**spec.env, **(env or {})}))
@@ -577,3 +581,58 @@ def test_moe_endpoints_with_api_key(start_custom: Callable[..., LlamaServer]) ->
     body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
     assert server.client.post("/v1/chat/completions", json=body, headers=ADMIN_HEADERS).status_code == 401
     assert server.client.post("/v1/chat/completions", json=body, headers=api_key).status_code == 200
+
+
+def _busy(server: LlamaServer) -> tuple[float, float]:
+    """(tokens predicted so far, requests being processed) from llama's /metrics."""
+    text = server.client.get("/metrics").text
+    return sample_sum(text, "llamacpp:tokens_predicted_total"), sample_sum(text, "llamacpp:requests_processing")
+
+
+def test_blocking_client_that_leaves_is_noticed_under_traffic(start_custom: Callable[..., LlamaServer]) -> None:
+    """Patch 0027: a non-streaming request whose client closes its connection stops generating within
+    about a second (HTTP_POLLING_SECONDS), also while other results keep arriving. Here the traffic is a
+    /metrics scrape every 0.25 s (each one a task whose result wakes every waiting HTTP thread): stock
+    llama-server restarted its one-second wait at every such wake-up, never looked at the connection,
+    and generated all 4,000 tokens for nobody."""
+    tokens = 4000
+    server = start_custom("llama-blocking-leaves", ctx_size=2 * 4096)
+    before, _ = _busy(server)
+    scraping = threading.Event()
+    scraping.set()
+
+    def scrape() -> None:
+        while scraping.is_set():
+            server.client.get("/metrics")
+            time.sleep(0.25)
+
+    scraper = threading.Thread(target=scrape, daemon=True)
+    scraper.start()
+    try:
+        body = json.dumps({"prompt": "tell me everything", "n_predict": tokens, "ignore_eos": True}).encode()
+        host, port = server.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            head = "POST /completion HTTP/1.1\r\nHost: llama\r\nContent-Type: application/json\r\n"
+            sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            deadline = time.monotonic() + 30
+            while _busy(server)[1] == 0:  # the request is in a slot
+                assert time.monotonic() < deadline, "llama never started the request"
+                time.sleep(0.05)
+            time.sleep(0.3)
+        left = time.monotonic()
+        deadline = left + 30
+        while _busy(server)[1] != 0:
+            assert time.monotonic() < deadline, f"still generating 30 s after the client left: {_busy(server)}"
+            time.sleep(0.1)
+        stopped_after = time.monotonic() - left
+    finally:
+        scraping.clear()
+        scraper.join(timeout=5)
+    generated = _busy(server)[0] - before
+    print(f"client gone: slot released after {stopped_after:.2f} s, {generated:.0f} of {tokens} tokens generated")
+    # uncancelled it would have generated all of them; noticed, it stops within a poll or two (the bound
+    # is generous for a loaded 2-core machine: the poll is one second)
+    assert generated < tokens / 4, generated
+    assert stopped_after < 5, stopped_after
+    log = server.log_path.read_text()
+    assert "cancel task" in log, "llama did not cancel the task of the client that left"

@@ -53,9 +53,10 @@ def leave_after(url: str, path: str, body: dict, clients: int, seconds: float) -
 @pytest.mark.parametrize("path", list(BLOCKING))
 def test_blocking_request_stops_generating_when_its_client_leaves(start_gateway, long_llama, path):
     """The issue's case: blocking clients gone after 0.3 s, yet llama generated everything they asked
-    for. llama-server itself notices a gone non-streaming client only when a full second passes with
-    no result of any request in the server; this test scrapes llama's /metrics every 0.25 s, as a
-    Prometheus under load would, so that never happens: only the gateway can stop it."""
+    for. The gateway relays a blocking request as it is and closes llama's connection when its client
+    leaves; stock llama-server noticed that only when a full second passed with no result of any
+    request in the server, and this test scrapes llama's /metrics every 0.25 s, as a Prometheus under
+    load would, so it stops only with patch 0027 (its one deadline per wait)."""
     gw = start_gateway(long_llama.url)
     assert wait_until(lambda: llama_counters(long_llama)[1] == 0, timeout_s=60)
     before, _ = llama_counters(long_llama)

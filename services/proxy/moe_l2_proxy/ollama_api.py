@@ -26,7 +26,6 @@ from moe_l2_contracts.schemas.ollama import (
 )
 from moe_l2_contracts.schemas.openai import ModelList as OpenAIModelList
 from moe_l2_contracts.schemas.predict import ChatMessage
-from moe_l2_proxy.blocking import send_generation
 from moe_l2_proxy.domain import Decision
 from moe_l2_proxy.errors import GatewayError, client_mistake, error_response, gateway_error_response
 from moe_l2_proxy.gateway import ClientDisconnected, Gateway, gateway, parse_body, until_disconnect
@@ -110,7 +109,7 @@ async def translate(
     content = json.dumps(body).encode()
 
     def send(llama: LlamaUpstream) -> Awaitable[httpx.Response]:
-        return send_generation(llama, path, headers, content, stream)
+        return llama.send("POST", path, headers=headers, content=content, stream=stream)
 
     try:
         lease, upstream = await until_disconnect(request, gw.llamas.send(decision.domain, send))

@@ -18,7 +18,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from moe_l2_contracts.schemas.openai import ChatCompletionRequestView, CompletionRequestView, ErrorBody, ErrorDetail
-from moe_l2_proxy.blocking import send_generation
 from moe_l2_proxy.domain import Decision
 from moe_l2_proxy.errors import GatewayError, client_mistake, error_response, gateway_error_response
 from moe_l2_proxy.gateway import ClientDisconnected, Gateway, gateway, parse_body, until_disconnect
@@ -76,7 +75,7 @@ async def generate(request: Request, gw: Gateway, body: bytes, decision: Decisio
     path = target(request)
 
     def send(llama: LlamaUpstream) -> Awaitable[httpx.Response]:
-        return send_generation(llama, path, headers, body, stream)
+        return llama.send("POST", path, headers=headers, content=body, stream=stream)
 
     try:
         lease, upstream = await until_disconnect(request, gw.llamas.send(decision.domain, send))
