@@ -29,7 +29,9 @@ def test_keep_alive_and_streaming(llama32):
         async with client(llama32.url) as c:
             first = await c.get("/health")
             second = await c.get("/v1/models")
-            body = {"prompt": "hi", "max_tokens": 20, "stream": True, "ignore_eos": True}
+            # 200 tokens, not 20: the demo model makes 20 in ~11 ms, which a client descheduled on a busy
+            # 2-core machine read as one piece (seen once in a run beside a build)
+            body = {"prompt": "hi", "max_tokens": 200, "stream": True, "ignore_eos": True}
             pieces = []
             async with c.stream("POST", "/v1/completions", json=body) as resp:
                 async for chunk in resp.aiter_raw():
