@@ -223,34 +223,31 @@ def test_patch_that_does_not_apply_is_one_clear_line(tmp_path: Path, llama_binar
     assert lines[0].startswith("error: patch 0001-bogus.patch does not apply to llama.cpp 0c1e570")
 
 
+# The series in layers (docs/llama-fork.md): fixes meant for upstream, ggml, libllama (with common's
+# parameters and flags), the server, and last the test-only hooks behind -DLLAMA_MOE_TEST_HOOKS.
 SERIES = [
-    "0001-ubatch-seqs.patch",
-    "0002-keep-moe-selection.patch",
-    "0003-routing-telemetry.patch",
-    "0004-hot-set.patch",
-    "0005-domain-tags.patch",
-    "0006-admin-token.patch",
-    "0007-vulkan-headers.patch",
-    "0008-route-trace.patch",
-    "0009-sched-expert-cache.patch",
-    "0010-expert-cache.patch",
-    "0011-server-expert-cache.patch",
-    "0012-expert-cache-prefetch.patch",
-    "0013-server-expert-cache-profile.patch",
-    "0014-server-expert-cache-layers.patch",
-    "0015-expert-cache-domain-counters.patch",
-    "0016-expert-cache-free-share.patch",
-    "0017-server-moe-transitions.patch",
-    "0018-expert-cache-copy-stream.patch",
-    "0019-expert-cache-preload.patch",
-    "0020-server-hot-set-preload.patch",
-    "0021-moe-willneed.patch",
-    "0022-sched-expert-cache-copy.patch",
-    "0023-expert-cache-prefill.patch",
-    "0024-expert-cache-host-memory.patch",
-    "0025-cpu-mul-mat-id-skip.patch",
-    "0026-expert-cache-cpu-misses.patch",
-    "0027-server-blocking-disconnect.patch",
+    "0001-server-blocking-disconnect.patch",
+    "0002-mmap-prefetch-pieces.patch",
+    "0003-vulkan-headers.patch",
+    "0004-sched-expert-cache.patch",
+    "0005-cpu-mul-mat-id-skip.patch",
+    "0006-ubatch-seqs.patch",
+    "0007-keep-moe-selection.patch",
+    "0008-moe-willneed.patch",
+    "0009-expert-cache.patch",
+    "0010-expert-cache-profile.patch",
+    "0011-expert-cache-copy-stream.patch",
+    "0012-expert-cache-preload.patch",
+    "0013-expert-cache-prefill.patch",
+    "0014-expert-cache-host-memory.patch",
+    "0015-expert-cache-cpu-misses.patch",
+    "0016-routing-telemetry.patch",
+    "0017-hot-set.patch",
+    "0018-domain-tags.patch",
+    "0019-admin-token.patch",
+    "0020-server-expert-cache.patch",
+    "0021-server-moe-transitions.patch",
+    "0022-route-trace.patch",
 ]
 
 
@@ -258,6 +255,126 @@ def test_patch_series_applies_in_order() -> None:
     names = [p.name for p in build_mod.patch_files(build_mod.default_patches_dir())]
     assert names == sorted(names)
     assert names == SERIES
+
+
+# The tree the series makes: sha256 of every file it touches, recorded from the series of 2026-12-06 before
+# it was relayered (27 patches in the order they were written). The relayered series must make the same
+# tree but for these files, each of which may differ only by the lines that mention LLAMA_MOE_TEST_HOOKS
+# and the `#else // LLAMA_MOE_TEST_HOOKS` branches they close: the route trace moved behind a CMake option.
+SERIES_MANIFEST = Path(__file__).resolve().parent / "llama_series_manifest.json"
+MOVED_BEHIND_TEST_HOOKS = {
+    "CMakeLists.txt": "option(LLAMA_MOE_TEST_HOOKS ... OFF), defined for llama, common and the tools",
+    "include/llama.h": "llama_get_ubatch_pos() is declared only with the test-only hooks",
+    "src/llama-context.cpp": "llama_get_ubatch_pos() is defined only with the test-only hooks",
+    "tools/server/server-moe-trace.h": "the route trace only with the hooks; without them a stub that replays nothing",
+    "tools/server/server-moe-trace.cpp": "the route trace only with the hooks; without, its variable fails the load",
+}
+
+
+def without_test_hooks(text: bytes) -> bytes:
+    """text less every line that mentions LLAMA_MOE_TEST_HOOKS and every `#else // LLAMA_MOE_TEST_HOOKS`
+    branch up to its `#endif // LLAMA_MOE_TEST_HOOKS`: what the file was before the option."""
+    kept, in_else = [], False
+    for line in text.splitlines(keepends=True):
+        if in_else:
+            in_else = not line.startswith(b"#endif // LLAMA_MOE_TEST_HOOKS")
+        elif line.startswith(b"#else // LLAMA_MOE_TEST_HOOKS"):
+            in_else = True
+        elif b"LLAMA_MOE_TEST_HOOKS" not in line:
+            kept.append(line)
+    return b"".join(kept)
+
+
+def touched_paths(patch: Path) -> set[str]:
+    return {line.split()[2][2:] for line in patch.read_text().splitlines() if line.startswith("diff --git a/")}
+
+
+def tree_differences(src: Path, recorded: dict[str, str], touched: set[str]) -> list[str]:
+    """How the tree in src differs from the recorded one, one line each; [] when it is the same."""
+    sha = lambda data: build_mod.hashlib.sha256(data).hexdigest()  # noqa: E731
+    problems = [f"{path}: touched, not in the manifest" for path in sorted(touched - set(recorded))]
+    problems += [f"{path}: in the manifest, touched by no patch" for path in sorted(set(recorded) - touched)]
+    for path in sorted(touched & set(recorded)):
+        data = (src / path).read_bytes() if (src / path).is_file() else b""
+        if path not in MOVED_BEHIND_TEST_HOOKS:
+            if sha(data) != recorded[path]:
+                problems.append(f"{path}: sha256 {sha(data)[:12]}, recorded {recorded[path][:12]}")
+        elif sha(data) == recorded[path]:
+            problems.append(f"{path}: listed as moved behind LLAMA_MOE_TEST_HOOKS, but unchanged")
+        elif sha(without_test_hooks(data)) != recorded[path]:
+            problems.append(f"{path}: differs by more than its LLAMA_MOE_TEST_HOOKS lines")
+    return problems
+
+
+@pytest.mark.llama
+def test_the_series_makes_the_recorded_tree(tmp_path: Path) -> None:
+    """The series applied to the pinned source gives, file by file, the tree recorded in
+    tests/llama_series_manifest.json, except the listed moves. A dropped, reordered-into-conflict or
+    edited patch fails here; so does an edit that belongs in the manifest (record it anew, on purpose)."""
+    manifest = json.loads(SERIES_MANIFEST.read_text())
+    assert manifest["llama_cpp_commit"] == build_mod.LLAMA_CPP_COMMIT, "the manifest is of another llama.cpp"
+    patches = build_mod.patch_files(build_mod.default_patches_dir())
+    touched = set().union(*(touched_paths(p) for p in patches))
+    src = tmp_path / "src"
+    extract_files(src, touched | set(manifest["files"]))
+    build_mod.apply_patches(src, patches)
+    assert tree_differences(src, manifest["files"], touched) == []
+
+
+def extract_files(dest: Path, paths: set[str]) -> None:
+    """Only `paths` of the pinned llama.cpp tree (those it has), from the verified sdist: a second or two."""
+    import tarfile
+
+    archive = build_mod.fetch_sdist(build_mod.default_cache_dir())
+    dest.mkdir(parents=True)
+    with tarfile.open(archive) as tar:
+        for member in tar:
+            name = member.name[len(build_mod.VENDOR_PREFIX) :]
+            if member.name.startswith(build_mod.VENDOR_PREFIX) and name in paths and member.isfile():
+                (dest / name).parent.mkdir(parents=True, exist_ok=True)
+                (dest / name).write_bytes(tar.extractfile(member).read())  # type: ignore[union-attr]
+
+
+def test_the_tree_check_catches_a_change_outside_the_moves(tmp_path: Path) -> None:
+    """tree_differences on a small tree: equal, a moved file that differs only by its guards, an edit,
+    a file the series no longer touches, and a moved file with one more line than its guards."""
+    sha = lambda data: build_mod.hashlib.sha256(data).hexdigest()  # noqa: E731
+    before = b"#include <a>\nint f();\n"
+    guarded = (
+        b"#include <a>\n#ifdef LLAMA_MOE_TEST_HOOKS\nint f();\n"
+        b"#else // LLAMA_MOE_TEST_HOOKS\n// stub\n#endif // LLAMA_MOE_TEST_HOOKS\n"
+    )
+    (tmp_path / "include").mkdir()
+    (tmp_path / "include" / "llama.h").write_bytes(guarded)
+    (tmp_path / "x.cpp").write_bytes(b"x\n")
+    recorded = {"include/llama.h": sha(before), "x.cpp": sha(b"x\n")}
+    assert without_test_hooks(guarded) == before
+    assert tree_differences(tmp_path, recorded, set(recorded)) == []
+    (tmp_path / "x.cpp").write_bytes(b"y\n")
+    edited = "x.cpp: sha256 " + sha(b"y\n")[:12] + ", recorded " + sha(b"x\n")[:12]
+    assert tree_differences(tmp_path, recorded, set(recorded)) == [edited]
+    assert tree_differences(tmp_path, recorded, {"include/llama.h"})[0] == "x.cpp: in the manifest, touched by no patch"
+    (tmp_path / "include" / "llama.h").write_bytes(guarded + b"int g();\n")
+    assert "include/llama.h: differs by more than its LLAMA_MOE_TEST_HOOKS lines" in tree_differences(
+        tmp_path, recorded, set(recorded)
+    )
+
+
+def test_the_test_hooks_are_on_in_test_builds_and_off_in_images(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The route trace (patch 0022) is built with -DLLAMA_MOE_TEST_HOOKS=ON: BuildConfig's default (the
+    tests, the benchmarks, `moe-l2 build-llama`), and OFF with --portable (the images) or --no-test-hooks."""
+    assert "-DLLAMA_MOE_TEST_HOOKS=ON" in build_mod.BuildConfig().cmake_flags()
+    assert "-DLLAMA_MOE_TEST_HOOKS=OFF" in build_mod.BuildConfig(test_hooks=False).cmake_flags()
+    built: list[build_mod.BuildConfig] = []
+    monkeypatch.setattr(build_mod, "build", lambda config, **_: built.append(config) or tmp_path / "llama-server")
+    for args in ([], ["--portable"], ["--portable", "--test-hooks"], ["--no-test-hooks"]):
+        assert build_mod.main(args) == 0
+    assert [c.test_hooks for c in built] == [True, False, True, False]
+    cmake = added_lines(build_mod.default_patches_dir() / SERIES[-1])["CMakeLists.txt"]
+    option = [line for line in cmake if "option(" in line]
+    assert len(option) == 1 and option[0].startswith("option(LLAMA_MOE_TEST_HOOKS ") and option[0].endswith(" OFF)")
 
 
 def test_every_patch_says_what_and_why() -> None:
@@ -289,17 +406,17 @@ def added_lines(patch: Path) -> dict[str, list[str]]:
 
 
 def test_the_libllama_changes_of_the_telemetry_are_patches_of_their_own() -> None:
-    # 0001 and 0002 change libllama for any caller, 0003 is the server's use of them: each reviewable alone
+    # 0006 and 0007 change libllama for any caller, 0016 is the server's use of them: each reviewable alone
     patches = {p.name: added_lines(p) for p in build_mod.patch_files(build_mod.default_patches_dir())}
-    assert set(patches["0001-ubatch-seqs.patch"]) == {"include/llama.h", "src/llama-context.cpp", "src/llama-context.h"}
-    assert set(patches["0002-keep-moe-selection.patch"]) == {
+    assert set(patches["0006-ubatch-seqs.patch"]) == {"include/llama.h", "src/llama-context.cpp", "src/llama-context.h"}
+    assert set(patches["0007-keep-moe-selection.patch"]) == {
         "include/llama.h",
         "src/llama-cparams.h",
         "src/llama-context.cpp",
         "common/common.h",
         "common/common.cpp",
     }
-    assert all(path.startswith("tools/server/") for path in patches["0003-routing-telemetry.patch"])
+    assert all(path.startswith("tools/server/") for path in patches["0016-routing-telemetry.patch"])
 
 
 def test_the_moe_selection_is_kept_only_when_the_server_asks() -> None:
@@ -375,9 +492,9 @@ def test_a_cuda_build_of_the_current_patches_is_current_whatever_its_flags(
 
 
 def test_the_experts_are_read_ahead_only_when_asked() -> None:
-    """moe_willneed (patch 0021) is off by default, only the server's --moe-willneed turns it on, and the
+    """moe_willneed (patch 0008) is off by default, only the server's --moe-willneed turns it on, and the
     graph gains its node only then: off, llama.cpp's graph is unchanged."""
-    added = added_lines(build_mod.default_patches_dir() / "0021-moe-willneed.patch")
+    added = added_lines(build_mod.default_patches_dir() / "0008-moe-willneed.patch")
     assert "        /*.moe_willneed                =*/ false," in added["src/llama-context.cpp"]
     assert any(re.match(r"\s*bool moe_willneed\s*=\s*false;", line) for line in added["common/common.h"])
     turned_on = [line.strip() for lines in added.values() for line in lines if "moe_willneed = true" in line]

@@ -78,11 +78,15 @@ class BuildConfig:
     # the experts, on a GPU build too. Images and binaries carried to another machine turn it off
     # (`--portable`), and then get llama.cpp's x86-64 baseline (AVX2, no AVX-512 or AMX).
     native: bool = True
+    # the patch series' test-only hooks (-DLLAMA_MOE_TEST_HOOKS: the route trace, LLAMA_MOE_ROUTE_TRACE), which the
+    # tests and benchmarks use; images build without them (`--portable` implies `--no-test-hooks`)
+    test_hooks: bool = True
     extra_flags: tuple[str, ...] = field(default_factory=tuple)
 
     def cmake_flags(self) -> list[str]:
         flags = list(BASE_CMAKE_FLAGS)
         flags.append(f"-DGGML_NATIVE={'ON' if self.native else 'OFF'}")
+        flags.append(f"-DLLAMA_MOE_TEST_HOOKS={'ON' if self.test_hooks else 'OFF'}")
         if self.backend == "vulkan":
             flags.append("-DGGML_VULKAN=ON")
         if self.backend == "cuda":
@@ -666,6 +670,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "binaries carried to another machine. Without it every backend's CPU code (which computes the experts "
         "with --cpu-moe) is tuned for this CPU",
     )
+    parser.add_argument(
+        "--test-hooks",
+        action=argparse.BooleanOptionalAction,
+        help="build the patch series' test-only hooks (-DLLAMA_MOE_TEST_HOOKS, the LLAMA_MOE_ROUTE_TRACE replay); "
+        "default: on, off with --portable (images)",
+    )
     parser.add_argument("--out", type=Path, help="also copy the binary to OUT/llama-server")
     parser.add_argument("--cache-dir", type=Path, help="cache folder (default ~/.cache/moe-l2 or MOE_L2_CACHE_DIR)")
     parser.add_argument("--patches-dir", type=Path, help="patch series folder (default services/llama/patches)")
@@ -693,6 +703,7 @@ def main(argv: list[str] | None = None) -> int:
             backend="cuda" if args.cuda else "vulkan" if args.vulkan else "rpc" if args.rpc else "cpu",
             cuda_architectures=arch,
             native=not args.portable,
+            test_hooks=not args.portable if args.test_hooks is None else args.test_hooks,
         )
         binary = build(config, cache=args.cache_dir, patches_dir=args.patches_dir, jobs=args.jobs, force=args.force)
         if args.out:
