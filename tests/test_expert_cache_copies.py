@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from moe_l2_cache.policy.replay import read_access_log, replay_accesses
-from moe_l2_llama.settings import LlamaSettings, llama_server_command
+from moe_l2_llama.settings import SOFTWARE_VULKAN_ENV, LlamaSettings, llama_server_command
 from tests.conftest import RpcDevice
 from tests.test_expert_cache import (
     EXPERT_BYTES,
@@ -206,7 +206,7 @@ def test_a_machine_short_of_memory_keeps_the_mapping_and_stages_the_misses(
     wrapper.write_text(f'#!/bin/sh\necho $$ > {memory_cgroup.path}/cgroup.procs\nexec {vulkan_binary} "$@"\n')
     wrapper.chmod(0o755)
     # the wrapper has no build-info.json beside it, from which the service would set the Vulkan device's env
-    log_text = started_log(wrapper, model.path, s, tmp_path, {"GGML_VK_VISIBLE_DEVICES": "0"})
+    log_text = started_log(wrapper, model.path, s, tmp_path, SOFTWARE_VULKAN_ENV)
     assert "expert cache: host experts mapped (load mode mmap): the model's" in log_text
     assert "do not fit in" in log_text
     assert "through a staging ring of 4 x 4.00 MiB of pinned memory" in log_text

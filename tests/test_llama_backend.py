@@ -17,7 +17,13 @@ import pytest
 from moe_l2_llama import backend as backend_mod
 from moe_l2_llama import build as build_mod
 from moe_l2_llama.build import BuildConfig, BuildError
-from moe_l2_llama.settings import LlamaSettings, device_env, plan_serving, prepare_llama_server
+from moe_l2_llama.settings import (
+    SOFTWARE_VULKAN_ENV,
+    LlamaSettings,
+    device_env,
+    plan_serving,
+    prepare_llama_server,
+)
 
 H100 = "NVIDIA H100 80GB HBM3, 9.0"
 # What the driver prints when it cannot reach its GPU (a container without the device, a driver mismatch).
@@ -69,7 +75,7 @@ def bin_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path.mkdir()
     monkeypatch.setenv("PATH", str(path))
     monkeypatch.setenv("MOE_L2_CACHE_DIR", str(tmp_path / "cache"))
-    for name in ("MOE_L2_LLAMA_BACKEND", "MOE_L2_LLAMA_SERVER", "GGML_VK_VISIBLE_DEVICES", *PLAN_ENV):
+    for name in ("MOE_L2_LLAMA_BACKEND", "MOE_L2_LLAMA_SERVER", "GGML_VK_VISIBLE_DEVICES", "LP_NUM_THREADS", *PLAN_ENV):
         monkeypatch.setenv(name, "")  # recorded, so that what the test (or the plan) sets is undone
         monkeypatch.delenv(name)
     return path
@@ -155,7 +161,7 @@ def test_a_vulkan_gpu_picks_the_vulkan_build_and_ggml_picks_the_device(bin_dir: 
     binary = plant_build(choice.config)
     assert device_env(binary) == {}
     fake_tool(bin_dir, "vulkaninfo", LLVMPIPE)  # the software GPU alone: it must be named to be used
-    assert device_env(binary) == {"GGML_VK_VISIBLE_DEVICES": "0"}
+    assert device_env(binary) == SOFTWARE_VULKAN_ENV
 
 
 def test_a_gpu_whose_build_cannot_be_had_falls_back_to_the_next_then_the_cpu(bin_dir: Path) -> None:

@@ -100,7 +100,11 @@ def test_a_vulkan_build_sees_the_software_device(tmp_path: Path, monkeypatch: py
     vulkan = write_info(tmp_path / "vk", {"backend": "vulkan", "cmake_flags": ["-DGGML_VULKAN=ON"]})
     cpu = write_info(tmp_path / "cpu", {"backend": "cpu", "cmake_flags": []})
     assert build_backend(vulkan) == "vulkan"
+    monkeypatch.delenv("LP_NUM_THREADS", raising=False)
+    assert device_env(vulkan) == {"GGML_VK_VISIBLE_DEVICES": "0", "LP_NUM_THREADS": "1"}
+    monkeypatch.setenv("LP_NUM_THREADS", "4")  # the environment's thread count is kept
     assert device_env(vulkan) == {"GGML_VK_VISIBLE_DEVICES": "0"}
+    monkeypatch.delenv("LP_NUM_THREADS")
     assert device_env(cpu) == {}
     assert device_env(tmp_path / "elsewhere" / "llama-server") == {}  # no build-info: nothing to add
     # the environment's own choice wins
