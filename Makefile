@@ -57,7 +57,7 @@ build-llama-vulkan: $(STAMP)
 # Required before landing a patch that touches compiled GPU code (docs/test-bed.md): 30+ min cold on
 # 2 cores, minutes with a warm ccache. The build first (its progress shows), then the link checks.
 check-cuda: $(STAMP)
-	$(MOE) build-llama --cuda --arch $(ARCH) --portable
+	$(MOE) build-llama --cuda --arch $(ARCH) --portable --test-hooks
 	MOE_L2_TEST_CUDA_BUILD=1 MOE_L2_TEST_CUDA_ARCH='$(ARCH)' $(PY) -m pytest -q -rs tests/test_cuda_toolchain.py
 
 # No $(STAMP): the GPU machine has no package index; gpu_check.sh sets Python up from .bench-gpu/

@@ -72,7 +72,7 @@ import numpy as np
 
 from moe_l2_contracts.admin import ADMIN_TOKEN_HEADER
 from moe_l2_gguf.index import ExpertIndex, GGUFIndexError, load_index
-from moe_l2_llama.build import built_with_patch
+from moe_l2_llama.build import built_with_patch, built_with_test_hooks
 from moe_l2_llama.route_trace import ROUTE_TRACE_ENV, esft_sequence_tasks
 from moe_l2_llama.settings import LlamaSettings
 from moe_l2_ops.llama_service import llama_service_spec
@@ -198,8 +198,9 @@ CONFIGS: dict[str, Config] = {
         ),
     )
 }
-NOT_BUILT = "not in this binary: its build has no expert cache (patch 0010)"
-CACHE_PATCH = "0010-expert-cache.patch"
+NOT_BUILT = "not in this binary: its build has no expert cache (the series' NNNN-expert-cache.patch)"
+# by name, not number: the series is renumbered when it is reordered (docs/llama-fork.md)
+CACHE_PATCH_SUFFIX = "-expert-cache.patch"
 
 
 def parse_configs(text: str) -> list[Config]:
@@ -452,12 +453,14 @@ def cpu_has_amx() -> bool:
 
 def trace_patch_present(binary: Path) -> bool:
     """Whether `binary` replays route traces."""
-    return built_with_patch(binary, lambda p: TRACE_ENV in p.read_text(errors="replace"))
+    return built_with_test_hooks(binary) and built_with_patch(
+        binary, lambda p: TRACE_ENV in p.read_text(errors="replace")
+    )
 
 
 def cache_patch_present(binary: Path) -> bool:
     """Whether `binary` has the expert cache."""
-    return built_with_patch(binary, lambda p: p.name == CACHE_PATCH)
+    return built_with_patch(binary, lambda p: p.name[4:] == CACHE_PATCH_SUFFIX)
 
 
 def server_plan(

@@ -64,7 +64,7 @@ import numpy as np
 
 from moe_l2_domains.known import known_domains
 from moe_l2_gguf.index import ExpertIndex, GGUFIndexError, load_index
-from moe_l2_llama.build import built_with_patch
+from moe_l2_llama.build import built_with_patch, built_with_test_hooks
 from moe_l2_llama.route_trace import ROUTE_TRACE_ENV
 from moe_l2_llama.settings import LlamaSettings
 from moe_l2_ops.llama_service import llama_service_spec
@@ -837,7 +837,9 @@ def esft_npz() -> Path:
 
 
 def trace_patch_present(binary: Path) -> bool:
-    return built_with_patch(binary, lambda p: TRACE_ENV in p.read_text(errors="replace"))
+    return built_with_test_hooks(binary) and built_with_patch(
+        binary, lambda p: TRACE_ENV in p.read_text(errors="replace")
+    )
 
 
 def resolve_trace(args: argparse.Namespace, binary: Path, mb: ModelBytes, tmp: Path) -> tuple[Path | None, str]:

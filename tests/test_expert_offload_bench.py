@@ -3,6 +3,7 @@ host→device bytes derived from routing counts, and its one-line errors. No ser
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import httpx
@@ -11,6 +12,7 @@ import pytest
 
 from moe_l2_gguf.index import load_index
 from moe_l2_gguf.model_shapes import get_shape, write_shape_model
+from moe_l2_llama import build as build_mod
 from tests.benches import load_bench
 
 EXPERT = 4_866_048  # one ds-v2-lite expert at Q4 (gate + up Q4_K, down Q4_0): 3 x 2048 x 1408 x 4.5 / 8
@@ -131,7 +133,23 @@ def test_device_buffers_from_the_server_log(bench):
 def test_a_binary_without_the_cache_says_so(bench):
     rows = {"e": {"config": "expert-cache", "what": "x", "status": bench.NOT_BUILT, "device_expert_bytes": 2e9}}
     text = bench.table(rows)
-    assert "no expert cache (patch 0010)" in text and "2000.00" in text
+    assert "no expert cache (the series' NNNN-expert-cache.patch)" in text and "2000.00" in text
+
+
+def test_the_cache_and_the_trace_are_found_by_patch_name_and_build_flags(bench, tmp_path):
+    """The series is renumbered when it is reordered: the cache patch is found by its name, whatever its
+    number, and a build without the test-only hooks (--portable) has no route-trace replay."""
+    binary = tmp_path / "key" / "bin" / "llama-server"
+    binary.parent.mkdir(parents=True)
+    binary.touch()
+    names = [p.name for p in build_mod.patch_files(build_mod.default_patches_dir())]
+    info = tmp_path / "key" / "build-info.json"
+    info.write_text(json.dumps({"patches": names, "cmake_flags": ["-DLLAMA_MOE_TEST_HOOKS=ON"]}))
+    assert bench.cache_patch_present(binary) and bench.trace_patch_present(binary)
+    info.write_text(json.dumps({"patches": names, "cmake_flags": ["-DLLAMA_MOE_TEST_HOOKS=OFF"]}))
+    assert bench.cache_patch_present(binary) and not bench.trace_patch_present(binary)
+    info.write_text(json.dumps({"patches": [n for n in names if not n.endswith("-expert-cache.patch")]}))
+    assert not bench.cache_patch_present(binary)
 
 
 def test_the_expert_cache_runs_with_c_s_expert_bytes_and_is_measured(bench, ds_layout):

@@ -136,6 +136,17 @@ def built_with_patch(binary: Path, wanted: Callable[[Path], bool]) -> bool:
     return any(p.name in names for p in patches)
 
 
+def built_with_test_hooks(binary: Path) -> bool:
+    """False only where the binary's build-info.json says it was built without the series' test-only
+    hooks (-DLLAMA_MOE_TEST_HOOKS=OFF: `--portable`, the images), which hold the route-trace replay; a
+    binary from elsewhere is given the benefit of the doubt (it fails at load, in one line, if wrong)."""
+    try:
+        flags = json.loads((binary.parent.parent / "build-info.json").read_text())["cmake_flags"]
+    except (OSError, ValueError, KeyError):
+        return True
+    return "-DLLAMA_MOE_TEST_HOOKS=OFF" not in flags
+
+
 def ggml_patches(patches: list[Path]) -> dict[str, str]:
     """name -> sha256 of the file diffs under ggml/ of the patches that have any. Equal between two
     builds, their ggml trees are equal, and so are the inputs of every ggml-cuda object (they include
