@@ -169,7 +169,7 @@ CONFIGS: dict[str, Config] = {
         Config(
             "eo",
             "expert-cache misses copied",
-            "e with --moe-cache-cpu-misses off: every miss copied before the device computes it (0022-0024 alone)",
+            "e with --moe-cache-cpu-misses off: every miss copied before the device computes it (0013-0014 alone)",
             "e",
             args=("--moe-cache-cpu-misses", "off"),
         ),

@@ -91,7 +91,7 @@ def cpu_facts() -> dict:
 
 def meminfo() -> dict[str, int]:
     """MemTotal and MemAvailable in bytes: the engine pins the experts only when the model and a margin fit
-    in MemAvailable (patch 0024), and a lent machine's memory may start small and grow as it is used."""
+    in MemAvailable (patch 0014), and a lent machine's memory may start small and grow as it is used."""
     out: dict[str, int] = {}
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():

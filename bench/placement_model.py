@@ -26,7 +26,7 @@ host layers), copied every step (n_copy: d), or behind the expert cache with s s
     prompt = G(n) = g0 + g1 * n                      a's prompt: GPU compute of one micro-batch
            + copied bytes / h2d_big                  stock (n >= the offload minimum, 32): the scheduler
                                                      copies each host layer's used experts, in long runs
-           + copied bytes / h2d_expert               e after patch 0023: the cache copies its misses, one
+           + copied bytes / h2d_expert               e after patch 0013: the cache copies its misses, one
                                                      expert each (the others come from slots on the device)
 
 where m and p are a cached layer's misses and prefetches a token (the policy's replay: m = k (1 - hit
@@ -412,7 +412,7 @@ class Placement:
     slots: int = 0
     cpu_misses: bool = False  # the new design: misses split between copies and the CPU
     host: str = "pinned"  # pinned | mapped | ring: where the host experts are copied from
-    prompt_through_cache: bool = True  # patch 0023: a prompt's misses copied by the cache, one expert each
+    prompt_through_cache: bool = True  # patch 0013: a prompt's misses copied by the cache, one expert each
 
 
 @dataclass
@@ -674,7 +674,7 @@ def host_memory(key: str, row: Mapping) -> str:
         return "pinned"
     if mode == "none" and env.get("GGML_CUDA_NO_PINNED") != "1":
         return "pinned"
-    return "mapped"  # llama.cpp's default maps the model; the engine before 0024 made no choice
+    return "mapped"  # llama.cpp's default maps the model; the engine before 0014 made no choice
 
 
 def placement_of(key: str, row: Mapping, shape: Shape) -> Placement:
@@ -690,7 +690,7 @@ def placement_of(key: str, row: Mapping, shape: Shape) -> Placement:
     if base == "d":
         return Placement(key, n_copy=L, host=host)
     if base == "e":
-        through = bool(row.get("host_experts_log"))  # the line came with 0024, after 0023 (prompts through the cache)
+        through = bool(row.get("host_experts_log"))  # the line came with 0014, after 0013 (prompts through the cache)
         return Placement(key, n_cache=L, slots=slots_of(row, shape), host=host, prompt_through_cache=through)
     raise NotModelled(f"unknown placement {base!r}")
 

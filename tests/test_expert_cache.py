@@ -1,11 +1,11 @@
-"""The expert cache in llama-server (patches 0009-0021, `--moe-cache-bytes`), on a device.
+"""The expert cache in llama-server (patches 0004, 0009-0015 and 0020-0021, `--moe-cache-bytes`), on a device.
 
 Which device, and why it proves the claim (docs/test-bed.md, "The RPC device"):
 - Every test runs on the **RPC device**: the RPC build's llama-server with `--rpc` to one
   ggml-rpc-server (CPU backend) for the session. llama.cpp's scheduler treats it as a GPU: the layers
   of `-ngl 99` go there, `--cpu-moe` keeps the experts in host memory, the cache's slabs are allocated
   in its memory, the expert ids are remapped to slots and the misses copied there, over the socket, as
-  they would be over PCIe; its device has events, so the prefetch gets its second backend (patch 0018)
+  they would be over PCIe; its device has events, so the prefetch gets its second backend (patch 0011)
   as on a GPU. So the cache's remap, slots, policy, preloads, prefetch and counters run their real
   code, and a token that differs from the cache-off run on the same device is a fault of the cache.
   The device computes with the CPU backend's kernels: no Mesa fault is in the way (lavapipe faults on

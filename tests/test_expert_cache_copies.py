@@ -1,4 +1,4 @@
-"""Where the expert cache's copies come from (patches 0022-0024): a prompt through the cache, the staging
+"""Where the expert cache's copies come from (patches 0004, 0013-0014): a prompt through the cache, the staging
 ring for a mapped model, and the choice of pinned host memory.
 
 Which device, and why it proves the claim:

@@ -466,7 +466,7 @@ def compute_buffer_mib(server: LlamaServer) -> float:
 
 
 def test_only_the_telemetry_keeps_every_layers_selection(start_custom: Callable[..., LlamaServer]) -> None:
-    """The telemetry turns keep_moe_selection on (patch 0002): each MoE layer's argsort is a graph
+    """The telemetry turns keep_moe_selection on (patch 0007): each MoE layer's argsort is a graph
     output, kept to the end of the graph so that the callback reads them all in one split; the
     compute buffer grows by at most those selections. Without the telemetry the graph is llama.cpp's."""
     on = start_custom("llama-keep-selection", extra_args="-lv 4")
@@ -590,7 +590,7 @@ def _busy(server: LlamaServer) -> tuple[float, float]:
 
 
 def test_blocking_client_that_leaves_is_noticed_under_traffic(start_custom: Callable[..., LlamaServer]) -> None:
-    """Patch 0027: a non-streaming request whose client closes its connection stops generating within
+    """Patch 0001: a non-streaming request whose client closes its connection stops generating within
     about a second (HTTP_POLLING_SECONDS), also while other results keep arriving. Here the traffic is a
     /metrics scrape every 0.25 s (each one a task whose result wakes every waiting HTTP thread): stock
     llama-server restarted its one-second wait at every such wake-up, never looked at the connection,

@@ -1,4 +1,4 @@
-"""--moe-willneed (patch 0021) in the real llama-server: as soon as a MoE layer's router has chosen, the
+"""--moe-willneed (patch 0008) in the real llama-server: as soon as a MoE layer's router has chosen, the
 engine asks the kernel for exactly the chosen experts' bytes of the mapped model, and nothing else.
 
 The model is a real shape (DeepSeek-V2-Lite's layers, 64 experts of 4.9 MB); once llama has loaded

@@ -56,7 +56,7 @@ def test_blocking_request_stops_generating_when_its_client_leaves(start_gateway,
     for. The gateway relays a blocking request as it is and closes llama's connection when its client
     leaves; stock llama-server noticed that only when a full second passed with no result of any
     request in the server, and this test scrapes llama's /metrics every 0.25 s, as a Prometheus under
-    load would, so it stops only with patch 0027 (its one deadline per wait)."""
+    load would, so it stops only with patch 0001 (its one deadline per wait)."""
     gw = start_gateway(long_llama.url)
     assert wait_until(lambda: llama_counters(long_llama)[1] == 0, timeout_s=60)
     before, _ = llama_counters(long_llama)
