@@ -23,9 +23,12 @@ import json
 import os
 import platform
 import re
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,19 +42,20 @@ from moe_l2_ops.llama_service import llama_service_spec
 from moe_l2_ops.supervisor import Supervisor, free_port
 
 BUILDS = ("native", "portable")
+PROMPT_WORDS = 32  # decode is the question: a short prompt keeps each run's prefill small
 
 
 def demo_model(path: Path) -> str:
     """The demo model (F16 experts, 8 layers x 32 experts of 64 x 64) and a prompt of its words."""
     make_demo_model(path, seed=0, spec=DemoModelSpec())
     words = load_planted(path)["domains"]["codegen"]["words"]
-    return " ".join(words[i % len(words)] for i in range(200))
+    return " ".join(words[i % len(words)] for i in range(PROMPT_WORDS))
 
 
 def ds_v2_lite_3(path: Path) -> str:
     """DeepSeek-V2-Lite's layer shapes, 3 layers (Q4_K experts, Q8_0 elsewhere): quantized dot products."""
     write_shape_model(path, get_shape("ds-v2-lite").reduced(3, 8192), seed=0, progress=False)
-    return " ".join(f"word{i}" for i in range(200))
+    return " ".join(f"word{i}" for i in range(PROMPT_WORDS))
 
 
 MODELS: dict[str, Callable[[Path], str]] = {"demo": demo_model, "ds-v2-lite-3": ds_v2_lite_3}
@@ -71,13 +75,29 @@ def binaries(args: argparse.Namespace) -> dict[str, Path]:
     return found
 
 
-def system_info(log: Path) -> str:
-    """llama-server's `system_info: ...` line: which instruction sets its CPU backend was built with."""
+def system_info(binary: Path, model: Path, timeout_s: float = 60.0) -> str:
+    """llama-server's `system_info: ...` line (the instruction sets its CPU backend was built with),
+    which it logs only at -lv 4: read from a start of its own, so the measured servers log as usual."""
+    cmd = [str(binary), "--model", str(model), "--port", str(free_port()), "-t", "1", "-lv", "4"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    found = ""
     try:
-        text = log.read_text(errors="replace")
-    except OSError:
-        return ""
-    return next((line.strip() for line in text.splitlines() if "system_info" in line), "")
+        deadline = time.monotonic() + timeout_s
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if "system_info:" in line:
+                found = line.split("system_info:", 1)[1].strip()
+                break
+            if time.monotonic() > deadline:
+                break
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return found
 
 
 def one_run(client: httpx.Client, url: str, prompt: str, tokens: int) -> tuple[float, float]:
@@ -115,7 +135,6 @@ def measure(bins: dict[str, Path], model: Path, prompt: str, args: argparse.Name
                     f"  run {i + 1}/{args.runs}: " + ", ".join(f"{n} {decode[n][-1]:.1f}" for n in BUILDS),
                     file=sys.stderr,
                 )
-        info = {name: system_info(logs / f"{model.stem}-{name}.log") for name in bins}
     finally:
         supervisor.stop()
     return {
@@ -124,7 +143,6 @@ def measure(bins: dict[str, Path], model: Path, prompt: str, args: argparse.Name
         "decode_ratio_native_portable": paired_ratio(decode["native"], decode["portable"]),
         "prompt_ratio_native_portable": paired_ratio(prompt_tps["native"], prompt_tps["portable"]),
         "runs": {"decode": decode, "prompt": prompt_tps},
-        "system_info": info,
     }
 
 
@@ -135,6 +153,8 @@ def build_facts(binary: Path) -> dict:
         info = json.loads((binary.parent.parent / "build-info.json").read_text())
         facts["key"] = info.get("key")
         facts["ggml_native"] = next((f for f in info.get("cmake_flags", []) if f.startswith("-DGGML_NATIVE=")), None)
+        facts["cmake_flags"] = info.get("cmake_flags")
+        facts["patches"] = sorted(info.get("patches", {}))
     except (OSError, ValueError):
         pass
     return facts
@@ -159,6 +179,8 @@ def main() -> int:
     parser.add_argument("--portable", type=Path, help="a portable one (default: `moe-l2 build-llama --portable`)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/native_cpu.json"))
     args = parser.parse_args()
+    # a timeout's SIGTERM unwinds through measure()'s finally, which stops the servers it started
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     unknown = set(args.models.split(",")) - set(MODELS)
     if unknown:
         parser.error(f"unknown models {sorted(unknown)}: choose from {sorted(MODELS)}")
@@ -184,6 +206,8 @@ def main() -> int:
         for name in args.models.split(","):
             model = Path(tmp) / f"{name}.gguf"
             prompt = MODELS[name](model)
+            if "system_info" not in results:
+                results["system_info"] = {b: system_info(path, model) for b, path in bins.items()}
             print(
                 f"[{name}] {args.runs} interleaved runs of {args.tokens} tokens, native and portable ...",
                 file=sys.stderr,
