@@ -52,6 +52,11 @@ class Stack:
     env: dict[str, str]
     port: int
     admin_token: str
+    api_key: str  # MOE_L2_PROXY_API_KEYS: the gateway asks every client for it
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
 
     @property
     def url(self) -> str:
@@ -157,10 +162,13 @@ def stack(engine: Engine, torch_find_links: str, tmp_path_factory: pytest.TempPa
     env = engine.env()
     port = _free_port()
     token = os.urandom(16).hex()
+    api_key = "key-" + os.urandom(8).hex()
     env.update(
         MOE_L2_MODELS_DIR=str(models),
         MOE_L2_PORT=str(port),
         MOE_L2_ADMIN_TOKEN=token,
+        # compose passes the keys to the gateway: every client below sends one
+        MOE_L2_PROXY_API_KEYS=f"{api_key},second-key",
         MOE_L2_TEST_TORCH_FIND_LINKS=torch_find_links,
         MOE_L2_TEST_MEMLOCK=_memlock_limit(),
         # small: the demo model needs little, and the llama container must not reserve GiBs
@@ -170,7 +178,7 @@ def stack(engine: Engine, torch_find_links: str, tmp_path_factory: pytest.TempPa
     )
     env.pop("COMPOSE_FILE", None)
     env.pop("COMPOSE_PROJECT_NAME", None)
-    stack = Stack(engine=engine, env=env, port=port, admin_token=token)
+    stack = Stack(engine=engine, env=env, port=port, admin_token=token, api_key=api_key)
 
     started = time.monotonic()
     build_standins(engine, TIMINGS)
