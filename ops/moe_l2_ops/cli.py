@@ -16,6 +16,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "start the whole stack as local processes, restarting any that dies (--llama-replicas N)",
     ),
     "build-llama": ("moe_l2_llama.build", "build the patched llama-server (cached)"),
+    "bump-llama": (
+        "moe_l2_llama.bump",
+        "replay the llama.cpp patch series on another llama-cpp-python sdist and report what conflicts",
+    ),
     "make-demo-model": ("moe_l2_gguf.demo_model", "write a small MoE GGUF with a planted router"),
     "predict": ("moe_l2_predictor.predict_cli", "predict the domain of a prompt (in-process, or --url a predictor)"),
     "train-predictor": (
