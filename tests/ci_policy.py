@@ -40,6 +40,7 @@ AREAS: tuple[tuple[str, str], ...] = (
     ("tests/test_source_archive.py", "engine"),
     ("tests/test_moe_willneed.py", "engine"),
     ("tests/test_route_trace.py", "engine"),
+    ("tests/test_upstream_server_tests.py", "engine"),
     ("tests/test_llama_settings.py", "engine"),
     ("tests/test_demo_model.py", "engine"),
     ("tests/test_model_shapes.py", "engine"),
