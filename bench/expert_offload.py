@@ -161,10 +161,10 @@ CONFIGS: dict[str, Config] = {
         Config(
             "en",
             "expert-cache one queue",
-            "e with the prefetch's copies on the compute queue (LLAMA_MOE_CACHE_COPY_STREAM=0): what the "
+            "e with the prefetch's copies on the compute queue (--no-moe-cache-copy-stream): what the "
             "second stream's overlap gains",
             "e",
-            env=(("LLAMA_MOE_CACHE_COPY_STREAM", "0"),),
+            env=(("LLAMA_ARG_MOE_CACHE_COPY_STREAM", "0"),),
         ),
         Config(
             "eo",
@@ -493,7 +493,7 @@ def server_plan(
     env.update(dict(config.env))
     if config.base == "e" and getattr(args, "cache_log_dir", None):
         # what the replay below checks the counters against, one log per cache server
-        env["LLAMA_MOE_CACHE_LOG"] = str(args.cache_log_dir / f"{config.key}-access.log")
+        env["LLAMA_ARG_MOE_CACHE_LOG"] = str(args.cache_log_dir / f"{config.key}-access.log")
     env["GGML_OP_OFFLOAD_MIN_BATCH"] = str(min_batch)
     return extra, env, n, min_batch
 
@@ -710,7 +710,7 @@ def replay_check(s: Server, args: argparse.Namespace, layout: ExpertLayout) -> d
 
     engine = s.final_cache
     replay = replay_accesses(
-        read_access_log(Path(s.env["LLAMA_MOE_CACHE_LOG"])),
+        read_access_log(Path(s.env["LLAMA_ARG_MOE_CACHE_LOG"])),
         s.config.policy or "default",
         len(layout.expert_bytes),
         layout.n_expert,
@@ -1486,7 +1486,7 @@ def main(argv: list[str] | None = None) -> int:
         elif key in servers:
             s = servers[key]
             rows[key] = summarize(s, servers["b"], logs[key])
-            log_file = Path(s.env.get("LLAMA_MOE_CACHE_LOG", "/nonexistent"))
+            log_file = Path(s.env.get("LLAMA_ARG_MOE_CACHE_LOG", "/nonexistent"))
             if rows[key]["expert_cache"] and s.final_cache and log_file.is_file():
                 rows[key]["expert_cache"]["replay_check"] = replay_check(s, args, layout)
                 rows[key]["expert_cache"]["profile"] = profile_note

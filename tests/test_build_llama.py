@@ -419,6 +419,18 @@ def test_the_libllama_changes_of_the_telemetry_are_patches_of_their_own() -> Non
     assert all(path.startswith("tools/server/") for path in patches["0016-routing-telemetry.patch"])
 
 
+def test_libllama_and_ggml_read_no_environment_variable_of_ours() -> None:
+    """What libllama and ggml do is set through their parameters (llama_context_params: the expert cache's
+    access log, its copy stream), as upstream would have it; only the tools (common's flags, which read
+    their LLAMA_ARG_* variables, and the server) read the environment."""
+    readers = {}
+    for patch in build_mod.patch_files(build_mod.default_patches_dir()):
+        for path, lines in added_lines(patch).items():
+            if path.startswith(("src/", "include/", "ggml/")) and any("getenv" in line for line in lines):
+                readers.setdefault(patch.name, []).append(path)
+    assert readers == {}
+
+
 def test_the_moe_selection_is_kept_only_when_the_server_asks() -> None:
     """An installed eval callback (imatrix, llama-eval-callback, --verbose debugging) no longer keeps
     every layer's ffn_moe_argsort alive: only keep_moe_selection does, off by default, and only the

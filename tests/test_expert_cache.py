@@ -158,7 +158,7 @@ def test_the_engine_counts_what_the_python_policy_replays(
     model = models["ds-v2-lite"]
     log = tmp_path / "access.log"
     slots = 16
-    env = {"LLAMA_MOE_CACHE_LOG": str(log)}
+    env = {"LLAMA_ARG_MOE_CACHE_LOG": str(log)}
     with serve_on(rpc_device, model.path, cache_settings(slots, policy), env, tmp_path) as (client, _):
         greedy(client, 12)
         engine = {m: metric(client, f"moe_cache_{m}_total") for m in ("accesses", "hits", "loads", "bypass")}
@@ -181,7 +181,7 @@ def test_a_hot_set_preloads_the_cache_as_the_replay_does(
     # per MoE layer 12 experts, most used first: the cache takes the first 16 - 6 and keeps its 6 best
     hot = list(range(63, 51, -1))
     moe_layers = range(SHAPE.n_dense_lead, DS_LAYERS)
-    with serve_on(rpc_device, model.path, s, {"LLAMA_MOE_CACHE_LOG": str(log)}, tmp_path) as (client, _):
+    with serve_on(rpc_device, model.path, s, {"LLAMA_ARG_MOE_CACHE_LOG": str(log)}, tmp_path) as (client, _):
         first = greedy_one(client, PROMPTS[0], N_PREDICT)
         assert metric(client, "moe_cache_preload_total") == 0
         resp = client.post(
@@ -407,7 +407,7 @@ def test_the_flywheel_profile_drives_prefetch_exactly_as_the_python_policy(
     slots = 16
     log = tmp_path / "access.log"
     on = cache_settings(slots).model_copy(update={"admin_token": TOKEN})
-    with serve_on(rpc_device, model.path, on, {**env, "LLAMA_MOE_CACHE_LOG": str(log)}, tmp_path) as (client, _):
+    with serve_on(rpc_device, model.path, on, {**env, "LLAMA_ARG_MOE_CACHE_LOG": str(log)}, tmp_path) as (client, _):
         # bad bodies are 400s that say what is wrong, a wrong token a 401; nothing is applied
         wrong = ExpertCacheProfile.from_tables(None, transitions=fitted.transitions[:1])
         resp = post_profile(client, wrong)
@@ -538,7 +538,7 @@ def copy_stream_line(device: EngineDevice) -> str:
 @pytest.mark.parametrize(
     ("policy", "env", "line"),
     [("default", {}, "second"),
-     ("default", {"LLAMA_MOE_CACHE_COPY_STREAM": "0"}, "expert cache: prefetch copies on the compute queue"),
+     ("default", {"LLAMA_ARG_MOE_CACHE_COPY_STREAM": "0"}, "expert cache: prefetch copies on the compute queue"),
      ("hybrid", {}, None)],
 )  # fmt: skip
 def test_the_log_says_where_the_prefetch_copies_go(

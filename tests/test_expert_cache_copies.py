@@ -66,7 +66,7 @@ def test_a_prompt_over_the_slots_copies_only_its_misses(
     expected = cache_off_reference(rpc_device, model, tmp_path)
     log = tmp_path / "access.log"
     slots = SHAPE.n_expert_used + 1
-    env = {"LLAMA_MOE_CACHE_LOG": str(log)}
+    env = {"LLAMA_ARG_MOE_CACHE_LOG": str(log)}
     with serve_on(rpc_device, model.path, cache_settings(slots, policy), env, tmp_path) as (client, _):
         got = greedy(client, N_PREDICT)
         engine = {m: metric(client, f"moe_cache_{m}_total") for m in ("bypass", "bypass_hits", "bypass_bytes")}
@@ -97,7 +97,7 @@ def test_the_staging_ring_changes_no_token(
     log = tmp_path / "access.log"
     s = cache_settings(slots)
     s = s.model_copy(update={"extra_args": f"{s.extra_args} --moe-cache-staging on"})
-    with serve_on(rpc_device, model.path, s, {"LLAMA_MOE_CACHE_LOG": str(log)}, tmp_path) as (client, log_path):
+    with serve_on(rpc_device, model.path, s, {"LLAMA_ARG_MOE_CACHE_LOG": str(log)}, tmp_path) as (client, log_path):
         got = greedy(client, N_PREDICT)
         engine = {m: metric(client, f"moe_cache_{m}_total") for m in ("accesses", "hits", "loads", "bypass_hits")}
         log_text = log_path.read_text(errors="replace")

@@ -72,7 +72,7 @@ def test_greedy_tokens_with_the_cpu_misses_equal_the_cache_off_and_the_counts_th
     model = models["ds-v2-lite"]
     expected = cache_off_reference(rpc_device, model, tmp_path)
     log = tmp_path / "access.log"
-    with serve_on(rpc_device, model.path, cpu_misses(slots), {"LLAMA_MOE_CACHE_LOG": str(log)}, tmp_path) as (
+    with serve_on(rpc_device, model.path, cpu_misses(slots), {"LLAMA_ARG_MOE_CACHE_LOG": str(log)}, tmp_path) as (
         client,
         log_path,
     ):

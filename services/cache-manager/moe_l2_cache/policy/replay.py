@@ -1,7 +1,7 @@
 """Replays llama-server's expert-cache access log through a policy of this package.
 
 The engine's cache (patch 0009, `--moe-cache-bytes`) is a port of `lru` and of the default policy. Run
-with LLAMA_MOE_CACHE_LOG=<file> (test only), it writes one line per micro-batch and cached layer:
+with `--moe-cache-log FILE` (LLAMA_ARG_MOE_CACHE_LOG), it writes one line per micro-batch and cached layer:
 
     <ubatch> <layer> <bypass> <domain> <expert> <expert> ...
 
