@@ -248,6 +248,7 @@ SERIES = [
     "0020-server-expert-cache.patch",
     "0021-server-moe-transitions.patch",
     "0022-route-trace.patch",
+    "0023-test-backend-ops-expert-cache.patch",
 ]
 
 
@@ -372,7 +373,7 @@ def test_the_test_hooks_are_on_in_test_builds_and_off_in_images(
     for args in ([], ["--portable"], ["--portable", "--test-hooks"], ["--no-test-hooks"]):
         assert build_mod.main(args) == 0
     assert [c.test_hooks for c in built] == [True, False, True, False]
-    cmake = added_lines(build_mod.default_patches_dir() / SERIES[-1])["CMakeLists.txt"]
+    cmake = added_lines(build_mod.default_patches_dir() / "0022-route-trace.patch")["CMakeLists.txt"]
     option = [line for line in cmake if "option(" in line]
     assert len(option) == 1 and option[0].startswith("option(LLAMA_MOE_TEST_HOOKS ") and option[0].endswith(" OFF)")
 
