@@ -2,7 +2,8 @@
 
 The source is the llama.cpp tree vendored in the PyPI sdist of llama-cpp-python (a registry that
 both developer machines and image builds can reach), verified by its sha256. The project's patch
-series is applied in order on a clean copy, then only the `llama-server` target is built. The
+series is applied in order on a clean copy, then only the `llama-server` target is built (and in the CPU and
+Vulkan test builds upstream's `test-backend-ops`, which tests/test_backend_ops.py runs). The
 result is cached under a key made of the source hash, the patch hashes and the build flags, so a
 second call returns at once.
 
@@ -51,6 +52,11 @@ DEFAULT_INDEX = "https://pypi.org/simple"
 CUDA_ARCHITECTURES = "61;75;86;89;90;120"
 BACKENDS = ("cpu", "vulkan", "cuda", "rpc")
 RPC_SERVER = "ggml-rpc-server"
+# upstream's tests/test-backend-ops, with patch 0023's --expert-cache (tests/test_backend_ops.py runs it): kept next
+# to llama-server in the test builds of the backends it is run on, the CPU and Vulkan (llvmpipe) ones; the RPC and
+# CUDA builds leave it out (their tests and the GPU check do not run it) and save its compile (~1 min on 2 cores)
+BACKEND_OPS = "test-backend-ops"
+BACKEND_OPS_BACKENDS = ("cpu", "vulkan")
 CCACHE_MAX_SIZE = "5G"
 
 # Offline: no web UI download, no TLS, nothing but the server.
@@ -85,6 +91,9 @@ class BuildConfig:
 
     def cmake_flags(self) -> list[str]:
         flags = list(BASE_CMAKE_FLAGS)
+        if self.test_hooks:
+            # upstream's tests configured (only the targets() are built): a test build's test-backend-ops
+            flags[flags.index("-DLLAMA_BUILD_TESTS=OFF")] = "-DLLAMA_BUILD_TESTS=ON"
         flags.append(f"-DGGML_NATIVE={'ON' if self.native else 'OFF'}")
         flags.append(f"-DLLAMA_MOE_TEST_HOOKS={'ON' if self.test_hooks else 'OFF'}")
         if self.backend == "vulkan":
@@ -101,8 +110,12 @@ class BuildConfig:
         return flags
 
     def targets(self) -> list[str]:
-        """What is built and kept next to each other in bin/: the server, and for RPC its device."""
-        return ["llama-server", RPC_SERVER] if self.backend == "rpc" else ["llama-server"]
+        """What is built and kept next to each other in bin/: the server, for RPC its device, and in the CPU and
+        Vulkan test builds upstream's test-backend-ops."""
+        targets = ["llama-server", RPC_SERVER] if self.backend == "rpc" else ["llama-server"]
+        if self.test_hooks and self.backend in BACKEND_OPS_BACKENDS:
+            targets.append(BACKEND_OPS)
+        return targets
 
 
 def default_cache_dir() -> Path:
@@ -541,6 +554,11 @@ def rpc_server_binary(binary: Path) -> Path:
     return binary.parent / RPC_SERVER
 
 
+def backend_ops_binary(binary: Path) -> Path:
+    """The test-backend-ops a CPU or Vulkan test build keeps next to its llama-server."""
+    return binary.parent / BACKEND_OPS
+
+
 def _complete(binary: Path, config: BuildConfig) -> bool:
     return all((binary.parent / target).is_file() for target in config.targets())
 
@@ -684,7 +702,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--test-hooks",
         action=argparse.BooleanOptionalAction,
-        help="build the patch series' test-only hooks (-DLLAMA_MOE_TEST_HOOKS, the LLAMA_MOE_ROUTE_TRACE replay); "
+        help="build the patch series' test-only hooks (-DLLAMA_MOE_TEST_HOOKS, the LLAMA_MOE_ROUTE_TRACE replay) and, "
+        "for the CPU and Vulkan backends, upstream's test-backend-ops next to llama-server; "
         "default: on, off with --portable (images)",
     )
     parser.add_argument("--out", type=Path, help="also copy the binary to OUT/llama-server")
