@@ -92,6 +92,10 @@ def plant_build(config: BuildConfig) -> Path:
     binary.parent.mkdir(parents=True)
     binary.write_bytes(b"\x7fELF ... moe_hot_hits_total ... /moe/hot-set ...")
     binary.chmod(0o755)
+    for target in config.targets():  # what a complete build keeps next to it (test-backend-ops, ggml-rpc-server)
+        if target != "llama-server":
+            (binary.parent / target).write_bytes(b"\x7fELF")
+            (binary.parent / target).chmod(0o755)
     current = {p.name: build_mod.hashlib.sha256(p.read_bytes()).hexdigest() for p in patches}
     info = {"backend": config.backend, "sdist_sha256": build_mod.SDIST_SHA256, "patches": current}
     (binary.parent.parent / "build-info.json").write_text(json.dumps({**info, "cmake_flags": config.cmake_flags()}))
