@@ -637,6 +637,62 @@ def choose_layers_and_cache(
     return replace(best, why=why)
 
 
+# -- the engine's --moe-cache-bytes auto (patch 0016), the same arithmetic -----------------------------------------
+
+# ESFT_CURVE's hit rates, s = 6..64 of 64 slots: the prior common.cpp's COMMON_MOE_HIT_PRIOR holds (the routing a
+# server will see is unknown when it chooses the placement, before the model loads)
+ENGINE_HIT_PRIOR: tuple[float, ...] = tuple(ESFT_CURVE[s][0] for s in range(6, 65))
+
+
+def engine_hit_prior(share: float) -> float:
+    """common_moe_hit_prior: the prior at the nearest of 6..64 slots of 64 (halves round up, as C's floor(x + 0.5))."""
+    s = min(64, max(6, math.floor(share * 64.0 + 0.5)))
+    return ENGINE_HIT_PRIOR[s - 6]
+
+
+@dataclass(frozen=True)
+class EngineSplit:
+    """common_moe_choose_split's answer."""
+
+    n_dev: int  # MoE layers wholly on the device (the last ones)
+    n_slot: int  # slots a cached layer; 0: no cache
+    cost_s: float  # the round trips and misses a decode step the split leaves
+
+    def why(self, n_layer: int, n_expert: int) -> str:
+        rest = n_layer - self.n_dev
+        if rest == 0:
+            return f"every expert fits: all {n_layer} MoE layers on the device"
+        if self.n_slot == 0:
+            return f"{self.n_dev} layers on the device, {rest} on the CPU (fewer slots than top-k)"
+        return f"{self.n_dev} layers on the device, a cache of {self.n_slot} of {n_expert} slots for {rest}"
+
+
+def engine_auto_split(
+    n_layer: int, n_expert: int, n_used: int, expert_bytes: int, budget: int, t_rt_s: float, t_miss_s: float
+) -> EngineSplit:
+    """The engine's `--moe-cache-bytes auto`, operation for operation (common.cpp common_moe_choose_split).
+
+    A cached layer costs a decode step one round trip (t_rt) and n_used * (1 - hit(slots)) misses of t_miss;
+    a layer on the device neither. The n_dev of least cost, the larger on a tie; where no split leaves top-k
+    slots, whole layers only. It is choose_layers_and_cache with the CPU's share of the misses, the prefetch
+    and the prompt left out, on the ESFT prior: `predictions` prints what the full model predicts for its
+    choice next to the full model's own."""
+    layer = n_expert * expert_bytes
+    if budget >= n_layer * layer:
+        return EngineSplit(n_layer, 0, 0.0)
+    max_dev = min(n_layer - 1, budget // layer)
+    best: EngineSplit | None = None
+    for n_dev in range(max_dev + 1):
+        rest = n_layer - n_dev
+        n_slot = min(n_expert, (budget - n_dev * layer) // (rest * expert_bytes))
+        if n_slot < n_used:
+            continue
+        cost = rest * (t_rt_s + n_used * (1.0 - engine_hit_prior(n_slot / n_expert)) * t_miss_s)
+        if best is None or cost <= best.cost_s * (1.0 + 1e-9):
+            best = EngineSplit(n_dev, n_slot, cost)
+    return best if best is not None else EngineSplit(max_dev, 0, 0.0)
+
+
 # -- reading runs ---------------------------------------------------------------------------------------------
 
 
@@ -1100,6 +1156,24 @@ def design_rows(shape: Shape, machine: Machine, budget: int, label: str) -> list
         else:
             st, pl = None, Placement("lc", n_dev=lc.n_dev, n_cpu=lc.n_cpu)
         add("layers+cache" + ("+cpu" if cpu else ""), lc.why, pl, st, st.source if st else "")
+    auto = engine_auto_split(
+        shape.n_moe,
+        shape.n_expert,
+        shape.top_k,
+        shape.expert_bytes,
+        budget,
+        machine.t_rt_s,
+        machine.expert_copy_s(shape.expert_bytes, "pinned"),
+    )
+    rest = shape.n_moe - auto.n_dev
+    if auto.n_slot:
+        st = esft_stats(auto.n_slot, shape.top_k, shape.n_expert)
+        pl = Placement("lc", n_dev=auto.n_dev, n_cache=rest, slots=auto.n_slot, cpu_misses=True)
+    elif rest:
+        st, pl = None, Placement("c", n_dev=auto.n_dev, n_cpu=rest)
+    else:
+        st, pl = None, Placement("a", n_dev=shape.n_moe)
+    add("auto (engine)", auto.why(shape.n_moe, shape.n_expert), pl, st, st.source if st else "")
     return out
 
 

@@ -232,9 +232,9 @@ def test_up_on_a_gpu_host_serves_the_cuda_build_with_compose_s_gpu_settings(
 ) -> None:
     line, argv, env = up_on_a_fake_gpu(bin_dir, capsys)
     assert line == "llama-server: CUDA build for sm_90 (nvidia-smi: NVIDIA H100 80GB HBM3, compute capability 9.0)"
-    # compose.yaml's llama service: -ngl 999, --cpu-moe, --fit off, the cache in 70% of what is free
+    # compose.yaml's llama service: -ngl 999, --cpu-moe, --fit off, the experts' budget split by the engine
     assert flag(argv, "--gpu-layers") == "999" and "--cpu-moe" in argv and flag(argv, "--fit") == "off"
-    assert flag(argv, "--moe-cache-bytes") == "70%" and flag(argv, "--moe-cache-policy") == "default"
+    assert flag(argv, "--moe-cache-bytes") == "auto" and flag(argv, "--moe-cache-policy") == "default"
     assert env["LLAMA_MOE_TRANSITIONS"] == "1"  # the prefetch's tables come with the cache
     assert env["GGML_OP_OFFLOAD_MIN_BATCH"] == "1"
 
@@ -258,7 +258,7 @@ def test_extra_args_that_decide_the_same_are_kept(
     _, argv, _ = up_on_a_fake_gpu(bin_dir, capsys)
     assert "--cpu-moe" not in argv and "--gpu-layers" not in argv  # the user's placement and layers
     assert flag(argv, "-ot") == "blk\\.[0-3]\\..*_exps=CPU" and "-ngl=40" in argv
-    assert flag(argv, "--fit") == "off" and flag(argv, "--moe-cache-bytes") == "70%"
+    assert flag(argv, "--fit") == "off" and flag(argv, "--moe-cache-bytes") == "auto"
 
 
 def test_up_on_a_cpu_host_runs_what_it_ran_before(bin_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:

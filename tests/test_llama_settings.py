@@ -47,7 +47,8 @@ def test_no_repack_follows_the_cpu_unless_set(repack: bool | None) -> None:
 @pytest.mark.parametrize(
     ("value", "flag"),
     [("", None), ("0", None), ("0G", None), ("0%", None), ("0.0%", None), ("4G", "4G"), ("512MiB", "512MiB"),
-     ("70%", "70%"), ("12.5%", "12.5%"), ("1024", "1024")],
+     ("70%", "70%"), ("12.5%", "12.5%"), ("1024", "1024"), ("auto", "auto"), ("auto:8G", "auto:8G"),
+     ("auto:90%", "auto:90%"), ("auto:0", None)],
 )  # fmt: skip
 def test_the_expert_cache_budget_is_a_size_or_a_share_and_zero_is_off(value: str, flag: str | None) -> None:
     cmd = llama_server_command(Path("llama-server"), Path("m.gguf"), LlamaSettings(expert_cache_bytes=value))
@@ -57,7 +58,7 @@ def test_the_expert_cache_budget_is_a_size_or_a_share_and_zero_is_off(value: str
         assert cmd[cmd.index("--moe-cache-bytes") + 1] == flag
 
 
-@pytest.mark.parametrize("value", ["4 lots", "70 %", "%", "-5%", "1e3%", "0x10"])
+@pytest.mark.parametrize("value", ["4 lots", "70 %", "%", "-5%", "1e3%", "0x10", "auto:", "automatic", "auto:auto"])
 def test_an_expert_cache_budget_that_is_neither_is_refused(value: str) -> None:
     with pytest.raises(ValueError, match="expert_cache_bytes"):
         LlamaSettings(expert_cache_bytes=value)

@@ -181,6 +181,50 @@ def test_a_slow_link_makes_layers_on_the_device_worth_it(pm, ds, h200):
     assert got.n_dev > 0
 
 
+def engine_choice_tps(pm, shape, machine, budget):
+    """What the full model predicts for the split the engine's auto (engine_auto_split) chooses."""
+    a = pm.engine_auto_split(
+        shape.n_moe, shape.n_expert, shape.top_k, shape.expert_bytes, budget, machine.t_rt_s,
+        machine.expert_copy_s(shape.expert_bytes, "pinned"),
+    )  # fmt: skip
+    rest = shape.n_moe - a.n_dev
+    if a.n_slot:
+        pl = pm.Placement("lc", n_dev=a.n_dev, n_cache=rest, slots=a.n_slot, cpu_misses=True)
+        return a, pm.decode(shape, machine, pl, pm.esft_stats(a.n_slot, shape.top_k, shape.n_expert)).tokens_per_s
+    return a, pm.decode(shape, machine, pm.Placement("c", n_dev=a.n_dev, n_cpu=rest)).tokens_per_s
+
+
+@pytest.mark.parametrize("name", ["ds-v2-lite", "qwen3-30b-a3b"])
+def test_the_engine_s_auto_is_within_2_percent_of_the_full_model_on_the_h200(pm, h200, name):
+    """The engine's simpler arithmetic (no CPU share, no prefetch, no prompt) loses at most 2% of the decode
+    the full model's best split predicts, from 12.5% to 90% of the experts' bytes, and it is within the
+    budget, with top-k slots or no cache at all."""
+    shape = pm.Shape.named(name)
+    for share in (0.125, 0.25, 0.5, 0.75, 0.9):
+        budget = int(shape.routed_bytes * share)
+        best = pm.choose_layers_and_cache(budget, shape, h200)
+        a, tps = engine_choice_tps(pm, shape, h200, budget)
+        rest = shape.n_moe - a.n_dev
+        assert a.n_dev * shape.layer_bytes + rest * a.n_slot * shape.expert_bytes <= budget
+        assert a.n_slot == 0 or a.n_slot >= shape.top_k
+        assert tps >= 0.98 * best.decode_tps, (share, a, best)
+
+
+def test_the_engine_s_auto_leaves_layers_to_the_cpu_only_below_top_k(pm, ds):
+    S, layer = ds.expert_bytes, ds.layer_bytes
+    every = pm.engine_auto_split(ds.n_moe, 64, 6, S, ds.routed_bytes, 35e-6, 1e-4)
+    assert (every.n_dev, every.n_slot) == (ds.n_moe, 0)
+    two = pm.engine_auto_split(ds.n_moe, 64, 6, S, ds.top_k * ds.n_moe * S - 1, 35e-6, 1e-4)
+    assert (two.n_dev, two.n_slot) == (2, 0)  # 5.99 slots a layer in every split: two whole layers only
+    assert pm.engine_auto_split(ds.n_moe, 64, 6, S, layer - 1, 35e-6, 1e-4).n_dev == 0
+    # a slower copy (or a faster round trip) never moves layers onto the device: misses weigh more
+    half = int(ds.routed_bytes * 0.5)
+    assert (
+        pm.engine_auto_split(ds.n_moe, 64, 6, S, half, 35e-6, 1e-3).n_dev
+        <= pm.engine_auto_split(ds.n_moe, 64, 6, S, half, 35e-6, 1e-5).n_dev
+    )
+
+
 # -- inputs, outputs -------------------------------------------------------------------------------------------
 
 

@@ -108,7 +108,7 @@ def test_validation_catches_mutations(mutate: Callable[[Obj], None]) -> None:
 def test_gpu_overlay() -> None:
     objects = rendered("gpu")
     checks.check_gpu(objects)
-    check_llama_command(compose_view(objects))  # the expert cache at 70%, as compose's GPU stack
+    check_llama_command(compose_view(objects))  # the experts' budget auto, as compose's GPU stack
 
 
 @pytest.mark.parametrize("target", ["base", "cpu"])

@@ -87,10 +87,12 @@ class LlamaSettings(ServiceSettings):
     )
     expert_cache_bytes: str = Field(
         default="",
-        pattern=r"^(|\d+([KkMmGgTt]([Ii]?[Bb])?|[Bb])?|\d+(\.\d+)?%)$",
+        pattern=r"^(|auto|(auto:)?(\d+([KkMmGgTt]([Ii]?[Bb])?|[Bb])?|\d+(\.\d+)?%))$",
         description="device memory for the expert cache (--moe-cache-bytes), e.g. 4G or 512M, or a share of "
         "the device memory left free once the weights and the KV cache are placed, e.g. 70%; empty, 0 or 0%: off. "
-        "It needs a GPU build and experts kept in host memory (n_cpu_moe, or --cpu-moe in extra_args)",
+        "It needs a GPU build and experts kept in host memory (n_cpu_moe, or --cpu-moe in extra_args). "
+        "auto (the GPU default), auto:8G or auto:90%: a budget split between whole layers of experts on the "
+        "device and the cache for the others, as the engine's cost model decides (docs/expert-cache.md)",
     )
     expert_cache_policy: Literal["default", "hybrid", "lru"] = Field(
         default="default", description="which experts the cache keeps (--moe-cache-policy)"
@@ -111,7 +113,8 @@ class LlamaSettings(ServiceSettings):
 
 
 def expert_cache_on(settings: LlamaSettings) -> bool:
-    return bool(re.sub(r"[^1-9]", "", settings.expert_cache_bytes))  # any nonzero digit: not off
+    value = settings.expert_cache_bytes
+    return value == "auto" or bool(re.sub(r"[^1-9]", "", value))  # auto, or any nonzero digit: not off
 
 
 def willneed_on(settings: LlamaSettings) -> bool:
@@ -149,8 +152,9 @@ def _checked_cuda_config(config: BuildConfig) -> BuildConfig:
 
 
 # compose.yaml's llama service on a GPU: every layer on the device, the routed experts in host memory,
-# no fitting, and the expert cache in 70% of the device memory the weights and the KV cache leave free.
-GPU_DEFAULTS: Mapping[str, str] = {"gpu_layers": "999", "cpu_moe": "1", "fit": "off", "expert_cache_bytes": "70%"}
+# no fitting, and the expert budget split between whole layers and the cache by the engine (auto: all the
+# device memory a dry run finds free for experts, less --fit-target's 1 GiB margin).
+GPU_DEFAULTS: Mapping[str, str] = {"gpu_layers": "999", "cpu_moe": "1", "fit": "off", "expert_cache_bytes": "auto"}
 # and decode's expert matmuls on the device for the experts the cache does not hold (compose sets it too)
 GPU_PROCESS_ENV: Mapping[str, str] = {"GGML_OP_OFFLOAD_MIN_BATCH": "1"}
 # llama-server's flags in MOE_L2_LLAMA_EXTRA_ARGS that already decide what a GPU default would
