@@ -124,6 +124,7 @@ class Config:
     policy: str | None = None  # --moe-cache-policy (e only); None: the project's default
     args: tuple[str, ...] = ()  # more llama-server arguments
     env: tuple[tuple[str, str], ...] = ()  # more environment
+    auto: bool = False  # e only: --moe-cache-bytes auto:<the budget>, whole layers and the cache split by the engine
 
     def __post_init__(self) -> None:
         if not self.base:
@@ -150,6 +151,14 @@ CONFIGS: dict[str, Config] = {
         Config("ep", "expert-cache pinned", f"e with {PINNED} (forced)", "e", "none"),
         Config("em", "expert-cache mmap", "e with --load-mode mmap (forced): misses from the mapping", "e", "mmap"),
         Config("el", "expert-cache lru", "e with --moe-cache-policy lru", "e", None, "lru"),
+        Config(
+            "ea",
+            "expert-cache auto",
+            "e with --moe-cache-bytes auto:(the same bytes): the engine splits them between whole layers on the "
+            "device and the cache (patch 0016; compose's default)",
+            "e",
+            auto=True,
+        ),
         Config(
             "ed",
             "expert-cache mmap direct",
@@ -292,6 +301,20 @@ def host_expert_layers(config: Config, layout: ExpertLayout, n_cpu_moe: int) -> 
     if config.base == "c":
         return [layer for layer in sorted(layout.expert_bytes) if layer < n_cpu_moe]
     return []
+
+
+AUTO_LINE = re.compile(r"expert cache auto: (?:(\d+) of (\d+) MoE layers on the device|every expert fits)")
+
+
+def auto_host_layers(log: str, moe_layers: list[int]) -> list[int]:
+    """The MoE layers `--moe-cache-bytes auto` left in host memory, from its log line: the first ones, as
+    --n-cpu-moe leaves them (none when every expert fits)."""
+    found = AUTO_LINE.search(log)
+    if not found:
+        raise BenchError("--moe-cache-bytes auto logged no choice (a build without patch 0016?)")
+    if found[1] is None:
+        return []
+    return moe_layers[: int(found[2]) - int(found[1])]
 
 
 def parse_bytes(text: str, routed_bytes: int) -> int:
@@ -543,7 +566,9 @@ def start_server(
         gpu_layers=ALL_LAYERS,
         n_cpu_moe=n,
         extra_args=" ".join(extra),
-        expert_cache_bytes=str(getattr(args, "e_bytes", 0) or device_expert_bytes) if config.base == "e" else "",
+        expert_cache_bytes=(("auto:" if config.auto else "") + str(getattr(args, "e_bytes", 0) or device_expert_bytes))
+        if config.base == "e"
+        else "",
     )
     if config.base == "e":
         settings.expert_cache_policy = config.policy or "default"
@@ -556,12 +581,15 @@ def start_server(
     if args.no_repack and "--no-repack" not in spec.argv:
         spec.argv.append("--no-repack")
     running = supervisor.start(spec)
+    host_layers = host_expert_layers(config, layout, n_cpu_moe)
+    if config.auto:
+        host_layers = auto_host_layers(running.log_path.read_text(errors="replace"), host_layers)
     return Server(
         config=config,
         url=running.spec.url,
         log_path=running.log_path,
         n_cpu_moe=n,
-        host_layers=host_expert_layers(config, layout, n_cpu_moe),
+        host_layers=host_layers,
         min_batch=min_batch,
         device_expert_bytes={
             "a": layout.routed_bytes,

@@ -324,15 +324,17 @@ run_budget() {  # run_budget SHARE CAP: one expert_offload run; the first budget
   local share=$1 cap=$2 name configs more=()
   name=$(echo "$share" | tr -d '%' | cut -d. -f1)
   if [ "$i" -eq 0 ]; then
-    # e is the default (--moe-cache-cpu-misses auto); eo: its misses all copied, ec: all on the CPU, ecm: the
-    # mapping's on the CPU. Not by default (time): d (mmap'd copies, never the best), ep (e pins by itself now),
+    # e is the cache with --moe-cache-cpu-misses auto; ea the project's default, --moe-cache-bytes auto at the
+    # same bytes (whole layers and the cache, patch 0016); eo: e's misses all copied, ec: all on the CPU.
+    # Not by default (time): ecm (the mapping's misses on the CPU), el (lru) after the first budget,
+    # d (mmap'd copies, never the best), ep (e pins by itself now),
     # ed (the mapping without the ring) and en (one queue), both measured on 2026-12-04, er (pinned refused: its
     # log line); GPU_CHECK_BENCH_ARGS="--configs ..." replaces the list
-    configs="a,b,bp,c,cp,dp,e,eo,ec,em,ecm,el"
+    configs="a,b,bp,c,cp,dp,e,ea,eo,ec,em,el"
     [ "$MODE" = llvmpipe ] && configs="b,bp,c,cp,d,dp,e,ep,em,el,ed"  # a: a 33-token prompt took 15 min there
     more=(--concurrent "$CONCURRENT" --concurrent-configs "cp,e" --gauges)
   else
-    configs="$STOCK,e,eo,ec,em,el"
+    configs="$STOCK,e,ea,eo,ec,em"
   fi
   run_step "bench-$name" "$cap" "$PY" bench/expert_offload.py "${COMMON[@]}" --cache-bytes "$share" \
     --configs "$configs" "${more[@]}" --log-dir "$WORK/logs/offload_$name" \
