@@ -94,6 +94,25 @@ def test_kubernetes_without_keys_refuses(tmp_path: Path) -> None:
     assert "MOE_L2_ALLOW_OPEN=1: the gateway would be reachable on 0.0.0.0 (listening)" in log
 
 
+def test_moe_l2_up_refuses_the_ram_tier_with_llama_replicas_before_building_anything(tmp_path: Path) -> None:
+    """MOE_L2_RAM_BUDGET with --llama-replicas 2: the cache-manager's own line, before any build or start."""
+    state = tmp_path / "state"
+    done = subprocess.run(
+        [sys.executable, "-m", "moe_l2_ops.cli", "up", "--llama-replicas", "2"],
+        env=_clean_env(MOE_L2_STATE_DIR=str(state), MOE_L2_RAM_BUDGET="6GiB"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: moe_l2_cache: MOE_L2_RAM_BUDGET with 2 llama replicas: replicas on one host share the model "
+        "file's page cache, which one RAM tier must manage alone (two page out each other's experts): run one "
+        "llama replica with the tier (MOE_L2_LLAMA_REPLICAS=1), or one per host (docs/ram-tier.md)"
+    )
+    assert not (state / "models").exists() and not (state / "admin-token").exists(), "it got as far as the model"
+
+
 @pytest.mark.parametrize("env", [{"MOE_L2_PROXY_HOST": "0.0.0.0"}, {"MOE_L2_BIND": "0.0.0.0"}], ids=["host", "bind"])
 def test_moe_l2_up_refuses_before_building_or_starting_anything(env: dict[str, str], tmp_path: Path) -> None:
     state = tmp_path / "state"

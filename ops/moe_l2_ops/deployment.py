@@ -135,6 +135,17 @@ def by_env() -> dict[str, Setting]:
     return {setting.env: setting for setting in SETTINGS}
 
 
+def refuse_ram_tier_with_replicas(llama_replicas: int) -> None:
+    """`moe-l2 up`, before anything is built or started: MOE_L2_RAM_BUDGET with more than one llama replica
+    is refused in the cache-manager's own line (SupervisorError); compose's override passes the replicas
+    to the cache-manager, which refuses the same; the Kubernetes overlay puts one replica on a node."""
+    from moe_l2_cache.ram_tier import ram_tier_replicas_problem
+
+    budget = os.environ.get("MOE_L2_RAM_BUDGET", "").strip() or None
+    if problem := ram_tier_replicas_problem(budget, llama_replicas):
+        raise SupervisorError(f"moe_l2_cache: {problem}")
+
+
 def prepare_gateway() -> None:
     """`moe-l2 up`, before anything is built or started: MOE_L2_BIND (compose's address for the published
     ports) is where the gateway listens unless MOE_L2_PROXY_HOST says otherwise (set in this process's

@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     from moe_l2_gguf.demo_model import DemoModelError
     from moe_l2_llama.build import BuildError
     from moe_l2_llama.settings import prepare_llama_server
-    from moe_l2_ops.deployment import prepare_gateway
+    from moe_l2_ops.deployment import prepare_gateway, refuse_ram_tier_with_replicas
 
     # Explicit for SIGINT too: a shell starting us in the background leaves SIGINT ignored.
     signal.signal(signal.SIGINT, _raise_interrupt)
@@ -209,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # first: a gateway open beyond loopback without API keys refuses here, before any build or start
         prepare_gateway()
+        refuse_ram_tier_with_replicas(args.llama_replicas)
         # logs which build serves and why; a GPU build's defaults go to every replica's environment
         binary = prepare_llama_server(os.environ)
         model = resolve_model(settings, Path(args.model) if args.model else None)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from moe_l2_cache.pages import PAGE
-from moe_l2_cache.ram_tier import RamTier, RamTierError, plan_ram
+from moe_l2_cache.ram_tier import RamTier, RamTierError, plan_ram, ram_tier_replicas_problem
 from moe_l2_cache.residency import ExpertPool
 from moe_l2_gguf.index import ExpertIndex, load_index
 from moe_l2_gguf.model_shapes import SHAPES, write_shape_model
@@ -129,6 +129,19 @@ def test_the_service_refuses_a_budget_too_small_in_one_line(model: Path) -> None
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1, run.stderr  # no traceback
     assert "MOE_L2_RAM_BUDGET is 0.06 GiB" in lines[0] and "give at least" in lines[0]
+
+
+def test_the_service_refuses_the_tier_with_llama_replicas_in_one_line(model: Path) -> None:
+    """compose's ram-tier override passes the replicas llama is scaled to: more than one is refused."""
+    env = {**os.environ, "MOE_L2_MODEL_PATH": str(model), "MOE_L2_RAM_BUDGET": "6GiB", "MOE_L2_LLAMA_REPLICAS": "2"}
+    run = subprocess.run([sys.executable, "-m", "moe_l2_cache"], env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1
+    assert run.stderr.strip().splitlines() == [
+        "moe_l2_cache: MOE_L2_RAM_BUDGET with 2 llama replicas: replicas on one host share the model file's page "
+        "cache, which one RAM tier must manage alone (two page out each other's experts): run one llama replica "
+        "with the tier (MOE_L2_LLAMA_REPLICAS=1), or one per host (docs/ram-tier.md)"
+    ]
+    assert ram_tier_replicas_problem(None, 4) is None and ram_tier_replicas_problem(6 << 30, 1) is None
 
 
 def _tier(model: Path, experts_held: int, lock: bool = True, headroom_experts: int = 2) -> RamTier:

@@ -95,7 +95,12 @@ def test_ram_tier_override(raw: dict[str, Any], schema: dict[str, Any]) -> None:
     doc = _ram_tier(raw, {"MOE_L2_RAM_BUDGET": "6GiB"})
     check_ram_tier(doc)
     check_schema(doc, schema)
-    assert as_dict(doc["services"]["cache-manager"]["environment"])["MOE_L2_RAM_BUDGET"] == "6GiB"
+    cache_env = as_dict(doc["services"]["cache-manager"]["environment"])
+    assert cache_env["MOE_L2_RAM_BUDGET"] == "6GiB" and cache_env["MOE_L2_LLAMA_REPLICAS"] == "1"
+    two = _ram_tier(raw, {"MOE_L2_RAM_BUDGET": "6GiB", "MOE_L2_LLAMA_REPLICAS": "2"})
+    # the cache-manager sees the replicas compose scales llama to, and refuses them (tests/cache)
+    assert as_dict(two["services"]["cache-manager"]["environment"])["MOE_L2_LLAMA_REPLICAS"] == "2"
+    assert str(two["services"]["llama"]["scale"]) == "2"
     with pytest.raises(AssertionError, match=r"compose\.ram-tier\.yaml needs MOE_L2_RAM_BUDGET"):
         _ram_tier(raw, {})  # the override without a budget: compose stops, saying so
     with pytest.raises(AssertionError):

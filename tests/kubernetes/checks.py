@@ -131,6 +131,9 @@ def check_ram_tier(objects: list[Obj]) -> None:
     llama_set = find(objects, "StatefulSet", "llama")
     assert pod_spec(llama_set).get("shareProcessNamespace") is True, "the cache-manager cannot see llama-server"
     assert llama_set["spec"]["replicas"] == 1, "one tier per model file on a node"
+    [term] = pod_spec(llama_set)["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == "kubernetes.io/hostname", "more replicas must each take a node of their own"
+    assert term["labelSelector"]["matchLabels"] == llama_set["spec"]["template"]["metadata"]["labels"]
     cache, _ = containers(objects)["cache-manager"]
     sc = cache["securityContext"]
     assert sc.get("runAsUser") == 0 and sc.get("runAsNonRoot") is False, "added capabilities reach no non-root process"

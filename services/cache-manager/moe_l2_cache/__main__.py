@@ -9,13 +9,16 @@ import uvicorn
 from pydantic import ValidationError
 
 from moe_l2_cache.app import create_app
-from moe_l2_cache.ram_tier import RamTierError, plan_ram
+from moe_l2_cache.ram_tier import RamTierError, plan_ram, ram_tier_replicas_problem
 from moe_l2_cache.settings import CacheSettings
 from moe_l2_gguf.index import GGUFIndexError, load_index
 
 
 def ram_budget_problem(settings: CacheSettings) -> str | None:
-    """MOE_L2_RAM_BUDGET too small for the model: refused before the service starts, in one line."""
+    """MOE_L2_RAM_BUDGET with llama replicas, or too small for the model: refused before the service starts,
+    in one line."""
+    if problem := ram_tier_replicas_problem(settings.ram_budget, settings.llama_replicas):
+        return problem
     if settings.ram_budget is None or settings.model_path is None:
         return None
     try:

@@ -514,3 +514,16 @@ class RamTier:
         for pager in self._pagers.values():
             pager.close()
         self._pagers.clear()
+
+
+def ram_tier_replicas_problem(ram_budget: object, llama_replicas: int) -> str | None:
+    """The RAM tier with more than one llama replica on a host: refused in one line (every launcher says the
+    same). The replicas map one model file, whose pages the host's page cache holds once: a tier beside each
+    would page out the experts the other keeps, and one tier sees only its own llama's routing."""
+    if ram_budget is None or llama_replicas <= 1:
+        return None
+    return (
+        f"MOE_L2_RAM_BUDGET with {llama_replicas} llama replicas: replicas on one host share the model file's "
+        "page cache, which one RAM tier must manage alone (two page out each other's experts): run one llama "
+        "replica with the tier (MOE_L2_LLAMA_REPLICAS=1), or one per host (docs/ram-tier.md)"
+    )

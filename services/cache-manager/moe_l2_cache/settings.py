@@ -53,6 +53,12 @@ class CacheSettings(ServiceSettings):
         "experts kept by the pool's policy, every other expert's pages paged out of llama; overrides "
         "MOE_L2_CACHE_POOL_BYTES",
     )
+    llama_replicas: int = stack_wide(
+        "LLAMA_REPLICAS",
+        default=1,
+        ge=1,
+        description="llama replicas on this host (compose's scale): the RAM tier needs them to be one",
+    )
     # 0.1 s: a quick pass over the 9.5 GB ds-v2-lite shape costs ~45 ms of CPU (a full one ~330 ms, once a
     # second), and llama reads in at most what the disk reads in that time before it is paged out again
     # (the headroom).
