@@ -210,8 +210,9 @@ async def _build_pool(
     plan = plan_ram(index, settings.ram_budget, settings.ram_headroom_bytes)
     tier = await asyncio.to_thread(RamTier, index, pool, plan, lock=settings.pool_lock, generation=generation)
     log.info(
-        "RAM tier: budget %d bytes = %d non-expert + %d experts held + %d headroom for misses",
-        plan.budget_bytes, plan.non_expert_bytes, plan.pool_bytes, plan.headroom_bytes,
+        "RAM tier: budget %d bytes = %d in pages always kept (%d non-expert bytes and the experts' shared "
+        "boundaries) + %d experts held + %d headroom for misses",
+        plan.budget_bytes, plan.kept_bytes, plan.non_expert_bytes, plan.pool_bytes, plan.headroom_bytes,
     )  # fmt: skip
     return pool, None, tier
 

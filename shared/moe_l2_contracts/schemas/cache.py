@@ -113,7 +113,12 @@ class RamTierStats(BaseModel):
     budget_bytes: int = Field(description="MOE_L2_RAM_BUDGET: the model file's resident bytes at most")
     non_expert_bytes: int = Field(description="tensors every token needs and the header: locked, never paged out")
     expert_bytes: int = Field(description="all routed experts' slices")
-    expert_budget_bytes: int = Field(description="budget - non-expert bytes")
+    kept_bytes: int = Field(
+        default=0,
+        description="the pages always resident: every page with a non-expert byte, and the pages two experts' "
+        "slices share (never paged out); what the budget counts, where non_expert_bytes are the tensors' bytes",
+    )
+    expert_budget_bytes: int = Field(description="budget - kept bytes")
     headroom_bytes: int = Field(description="of the expert budget, left for the misses llama faults in between sweeps")
     pool_bytes: int = Field(description="of the expert budget, what the pool's policy holds")
     resident_expert_bytes: int = Field(description="expert pages in the page cache now (mincore)")
