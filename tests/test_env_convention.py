@@ -44,6 +44,9 @@ STACK_WIDE = {
     "MOE_L2_RAM_BUDGET",
     # one switch for every launcher: a gateway reachable beyond loopback may run without API keys
     "MOE_L2_ALLOW_OPEN",
+    # the launchers' count of llama replicas (`--llama-replicas`, compose's scale), which the cache-manager
+    # reads to refuse the RAM tier beside more than one (docs/ram-tier.md)
+    "MOE_L2_LLAMA_REPLICAS",
 }
 
 
