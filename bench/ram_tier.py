@@ -62,7 +62,7 @@ from types import FrameType
 import httpx
 import numpy as np
 
-from moe_l2_cache.ram_tier import page_owners
+from moe_l2_cache.ram_tier import kept_page_bytes
 from moe_l2_domains.known import known_domains
 from moe_l2_gguf.index import ExpertIndex, GGUFIndexError, load_index
 from moe_l2_llama.build import built_with_patch, built_with_test_hooks
@@ -130,7 +130,7 @@ class ModelBytes:
             file_bytes=file_bytes,
             expert_bytes=index.routed_bytes,
             non_expert_bytes=file_bytes - index.routed_bytes,
-            kept_bytes=sum(int((owner < 0).sum()) for owner in page_owners(index)) * PAGE,
+            kept_bytes=kept_page_bytes(index),
             n_layer=index.n_layer,
             n_moe_layers=len(index.layers),
             n_expert=index.n_expert,

@@ -390,6 +390,29 @@ def _tier_stats(manager: CacheManager) -> dict:
     return manager.stats()["ram_tier"]  # type: ignore[no-any-return]
 
 
+def _start_tier(
+    start_cache_manager: Callable[..., CacheManager], redis_server: RedisServer, model: Path, budget: int
+) -> CacheManager:
+    """The service with a RAM budget on `model`, no llama to pull from."""
+    return start_cache_manager(
+        MOE_L2_MODEL_PATH=str(model),
+        MOE_L2_REDIS_URL=redis_server.url,
+        MOE_L2_LLAMA_URL="http://127.0.0.1:9",
+        MOE_L2_RAM_BUDGET=str(budget),
+        MOE_L2_CACHE_PULL_INTERVAL_S="0",
+    )
+
+
+def _wait_within_budget(manager: CacheManager, toucher: Toucher, budget: int) -> None:
+    """The tier finds the toucher's process and brings the model's residency within the budget itself."""
+    _wait_for(lambda: toucher.proc.pid in _tier_stats(manager)["llama_pids"], 10, "the tier to find the process")
+    _wait_for(
+        lambda: (s := _tier_stats(manager))["resident_expert_bytes"] + s["resident_non_expert_bytes"] <= budget,
+        15,
+        "the residency to fall within the budget",
+    )
+
+
 def test_the_budget_holds_to_the_byte_on_the_demo_model_whose_slices_share_pages(
     redis_server: RedisServer, start_cache_manager: Callable[..., CacheManager], tmp_path: Path
 ) -> None:
@@ -410,22 +433,11 @@ def test_the_budget_holds_to_the_byte_on_the_demo_model_whose_slices_share_pages
     assert kept > 2 * non_expert
     one_per_layer = sum(index.expert_bytes(layer) for layer in index.layers)
     budget = kept + 4 * one_per_layer  # tight: a pool sized by tensor bytes would take 3.1 MB more
-    manager = start_cache_manager(
-        MOE_L2_MODEL_PATH=str(demo),
-        MOE_L2_REDIS_URL=redis_server.url,
-        MOE_L2_LLAMA_URL="http://127.0.0.1:9",
-        MOE_L2_RAM_BUDGET=str(budget),
-        MOE_L2_CACHE_PULL_INTERVAL_S="0",
-    )
+    manager = _start_tier(start_cache_manager, redis_server, demo, budget)
     toucher = Toucher(demo)
     try:
         toucher.touch(0, sum(index.file_sizes))  # every page faulted in: the whole file resident
-        _wait_for(lambda: toucher.proc.pid in _tier_stats(manager)["llama_pids"], 10, "the tier to find the process")
-        _wait_for(
-            lambda: (s := _tier_stats(manager))["resident_expert_bytes"] + s["resident_non_expert_bytes"] <= budget,
-            15,
-            "the residency to fall within the budget itself",
-        )
+        _wait_within_budget(manager, toucher, budget)
         time.sleep(3)  # idle: full passes only, and the residency stays within it
         stats = _tier_stats(manager)
         assert stats["resident_expert_bytes"] + stats["resident_non_expert_bytes"] <= budget, stats
@@ -444,24 +456,13 @@ def test_service_keeps_the_budget_and_rebuilds_the_pool_when_the_model_file_is_r
     index = load_index(model)
     non_expert = sum(index.file_sizes) - index.routed_bytes
     budget = non_expert + 24 * index.max_expert_bytes
-    manager = start_cache_manager(
-        MOE_L2_MODEL_PATH=str(model),
-        MOE_L2_REDIS_URL=redis_server.url,
-        MOE_L2_LLAMA_URL="http://127.0.0.1:9",
-        MOE_L2_RAM_BUDGET=str(budget),
-        MOE_L2_CACHE_PULL_INTERVAL_S="0",
-    )
+    manager = _start_tier(start_cache_manager, redis_server, model, budget)
     stats = _tier_stats(manager)
     assert stats["budget_bytes"] == budget and stats["generation"] == 0
     assert manager.stats()["pool"]["budget_bytes"] == stats["pool_bytes"]  # the tier sets the pool's budget
 
     toucher.touch(0, sum(index.file_sizes))
-    _wait_for(lambda: toucher.proc.pid in _tier_stats(manager)["llama_pids"], 10, "the tier to find the process")
-    _wait_for(
-        lambda: (s := _tier_stats(manager))["resident_expert_bytes"] + s["resident_non_expert_bytes"] <= budget,
-        15,
-        "the residency to fall within the budget",
-    )
+    _wait_within_budget(manager, toucher, budget)
     metrics = manager.client.get("/metrics").text
     value = re.search(r"^moe_l2_cache_ram_budget_bytes (\S+)$", metrics, re.M)
     assert value is not None and float(value.group(1)) == budget

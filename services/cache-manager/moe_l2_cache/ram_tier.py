@@ -85,7 +85,7 @@ def plan_ram(index: ExpertIndex, budget_bytes: int, headroom_bytes: int | None =
     file_bytes = sum(index.file_sizes)
     expert_bytes = index.routed_bytes
     non_expert = file_bytes - expert_bytes
-    kept = sum(int(((owner == _NON_EXPERT) | (owner == _SHARED)).sum()) for owner in page_owners(index)) * PAGE
+    kept = kept_page_bytes(index)
     one_per_layer = sum(index.expert_bytes(layer) for layer in index.layers)
     minimum = kept + one_per_layer
     if budget_bytes < minimum:
@@ -169,6 +169,11 @@ def page_owners(index: ExpertIndex) -> list[np.ndarray]:
         full[-1] = index.file_sizes[f] - (sizes[f] - 1) * PAGE
         owner[expert_bytes[f] < full] = _NON_EXPERT
     return owners
+
+
+def kept_page_bytes(index: ExpertIndex) -> int:
+    """The bytes of the pages the tier always keeps: those with a non-expert byte and those two experts share."""
+    return sum(int(((owner == _NON_EXPERT) | (owner == _SHARED)).sum()) for owner in page_owners(index)) * PAGE
 
 
 def _layout(index: ExpertIndex, pool: ExpertPool) -> _Layout:
