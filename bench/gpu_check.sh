@@ -318,6 +318,7 @@ else
   CONCURRENT=2
   [ "$MODE" = rpc ] && CONCURRENT=4  # no fault on the RPC device: the GPU's -np 4
   ID_ARGS=(--prompts 2 --tokens 4 --prompt-words "$WORDS" --slots "7,32")
+  [ "$MODE" = llvmpipe ] && ID_ARGS=(--prompts 2 --tokens 4 --prompt-words "$WORDS" --slots "32")
   CAPS=(600 600 600) ID_CAP=600
   # llvmpipe on one thread (docs/test-bed.md) warms 11 servers up in ~7 min on 2 cores: a rehearsal's steps
   # get the time they need (with --budget to match); the GPU's caps above are what the lent machine runs
@@ -337,13 +338,17 @@ run_budget() {  # run_budget SHARE CAP: one expert_offload run; the first budget
     # ed (the mapping without the ring) and en (one queue), both measured on 2026-12-04, er (pinned refused: its
     # log line); GPU_CHECK_BENCH_ARGS="--configs ..." replaces the list
     configs="a,b,bp,c,cp,dp,e,ea,eo,ec,em,el"
-    [ "$MODE" = llvmpipe ] && configs="b,bp,c,cp,d,dp,e,ea,ep,em,el"  # a: a 33-token prompt took 15 min there
+    # llvmpipe: a server's warm-up on a 9-token prompt takes ~2 min on one thread, so the rehearsal runs
+    # the rows that exercise every path (stock, pinned stock, the cache, the default) and --rpc the full
+    # list; a: a 33-token prompt took 15 min there
+    [ "$MODE" = llvmpipe ] && configs="b,cp,e,ea"
     more=(--concurrent "$CONCURRENT" --concurrent-configs "cp,e" --gauges)
     # llvmpipe: no -np 2 (2026-12-06: the stock cp -np 2 server died there of lavapipe's heap corruption,
     # "malloc(): unsorted double linked list corrupted", on two 3-token prompts); --rpc rehearses -np 4
     [ "$MODE" = llvmpipe ] && more=(--gauges)
   else
     configs="$STOCK,e,ea,eo,ec,em"
+    [ "$MODE" = llvmpipe ] && configs="b,cp,e,ea"
   fi
   run_step "bench-$name" "$cap" "$PY" bench/expert_offload.py "${COMMON[@]}" --cache-bytes "$share" \
     --configs "$configs" "${more[@]}" --log-dir "$WORK/logs/offload_$name" \
