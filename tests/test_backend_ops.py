@@ -1,8 +1,8 @@
-"""Upstream's test-backend-ops on the scheduler's expert cache hook (patch 0024, docs/llama-fork.md).
+"""Upstream's test-backend-ops on the scheduler's expert cache hook (patch 0025, docs/llama-fork.md).
 
 test-backend-ops compares each op of a backend with the CPU's one node at a time, never through
 ggml_backend_sched, so the hook of patch 0004 (ggml_backend_sched_set_expert_cache) is not on its path.
-Patch 0024's `--expert-cache` puts it there: each MUL_MAT_ID case keeps its experts in a host buffer and
+Patch 0025's `--expert-cache` puts it there: each MUL_MAT_ID case keeps its experts in a host buffer and
 runs through a scheduler of [device, CPU] with a test cache installed (fewer slots than experts, slots
 handed out from the last one down so that no mapping is the identity, LRU eviction, the missing experts
 copied on the device), three batches of ids per case (misses, then hits and evictions), each compared
@@ -70,7 +70,7 @@ FILL_CASES = (
     _case("f16", 4, 2, 8, 16, 64, m_v=64),
 )
 CASES = SLOT_CASES + FILL_CASES
-BATCHES = 3  # batches of ids per case through one cache (patch 0024)
+BATCHES = 3  # batches of ids per case through one cache (patch 0025)
 CASE_TIMEOUT_S = 120
 
 _SUMMARY_RE = re.compile(r"^\s*(\d+)/(\d+) tests passed$", re.MULTILINE)

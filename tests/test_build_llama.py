@@ -243,14 +243,15 @@ SERIES = [
     "0014-expert-cache-host-memory.patch",
     "0015-expert-cache-cpu-misses.patch",
     "0016-expert-cache-auto.patch",
-    "0017-routing-telemetry.patch",
-    "0018-hot-set.patch",
-    "0019-domain-tags.patch",
-    "0020-admin-token.patch",
-    "0021-server-expert-cache.patch",
-    "0022-server-moe-transitions.patch",
-    "0023-route-trace.patch",
-    "0024-test-backend-ops-expert-cache.patch",
+    "0017-expert-cache-prompt-ahead.patch",
+    "0018-routing-telemetry.patch",
+    "0019-hot-set.patch",
+    "0020-domain-tags.patch",
+    "0021-admin-token.patch",
+    "0022-server-expert-cache.patch",
+    "0023-server-moe-transitions.patch",
+    "0024-route-trace.patch",
+    "0025-test-backend-ops-expert-cache.patch",
 ]
 
 
@@ -366,7 +367,7 @@ def test_the_tree_check_catches_a_change_outside_the_moves(tmp_path: Path) -> No
 def test_the_test_hooks_are_on_in_test_builds_and_off_in_images(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """The route trace (patch 0023) is built with -DLLAMA_MOE_TEST_HOOKS=ON: BuildConfig's default (the
+    """The route trace (patch 0024) is built with -DLLAMA_MOE_TEST_HOOKS=ON: BuildConfig's default (the
     tests, the benchmarks, `moe-l2 build-llama`), and OFF with --portable (the images) or --no-test-hooks."""
     assert "-DLLAMA_MOE_TEST_HOOKS=ON" in build_mod.BuildConfig().cmake_flags()
     assert "-DLLAMA_MOE_TEST_HOOKS=OFF" in build_mod.BuildConfig(test_hooks=False).cmake_flags()
@@ -375,13 +376,13 @@ def test_the_test_hooks_are_on_in_test_builds_and_off_in_images(
     for args in ([], ["--portable"], ["--portable", "--test-hooks"], ["--no-test-hooks"]):
         assert build_mod.main(args) == 0
     assert [c.test_hooks for c in built] == [True, False, True, False]
-    cmake = added_lines(build_mod.default_patches_dir() / "0023-route-trace.patch")["CMakeLists.txt"]
+    cmake = added_lines(build_mod.default_patches_dir() / "0024-route-trace.patch")["CMakeLists.txt"]
     option = [line for line in cmake if "option(" in line]
     assert len(option) == 1 and option[0].startswith("option(LLAMA_MOE_TEST_HOOKS ") and option[0].endswith(" OFF)")
 
 
 def test_test_backend_ops_is_built_where_it_runs_and_never_in_images() -> None:
-    """Upstream's test-backend-ops (patch 0024's --expert-cache, tests/test_backend_ops.py) is configured in every
+    """Upstream's test-backend-ops (patch 0025's --expert-cache, tests/test_backend_ops.py) is configured in every
     test build and built in the CPU and Vulkan ones, where it runs; a build without the test hooks (the images'
     --portable) keeps upstream's tests off, its flags and its targets as they were."""
     for backend in build_mod.BACKENDS:
@@ -424,7 +425,7 @@ def added_lines(patch: Path) -> dict[str, list[str]]:
 
 
 def test_the_libllama_changes_of_the_telemetry_are_patches_of_their_own() -> None:
-    # 0006 and 0007 change libllama for any caller, 0017 is the server's use of them: each reviewable alone
+    # 0006 and 0007 change libllama for any caller, 0018 is the server's use of them: each reviewable alone
     patches = {p.name: added_lines(p) for p in build_mod.patch_files(build_mod.default_patches_dir())}
     assert set(patches["0006-ubatch-seqs.patch"]) == {"include/llama.h", "src/llama-context.cpp", "src/llama-context.h"}
     assert set(patches["0007-keep-moe-selection.patch"]) == {
@@ -434,7 +435,7 @@ def test_the_libllama_changes_of_the_telemetry_are_patches_of_their_own() -> Non
         "common/common.h",
         "common/common.cpp",
     }
-    assert all(path.startswith("tools/server/") for path in patches["0017-routing-telemetry.patch"])
+    assert all(path.startswith("tools/server/") for path in patches["0018-routing-telemetry.patch"])
 
 
 def test_libllama_and_ggml_read_no_environment_variable_of_ours() -> None:

@@ -1,4 +1,4 @@
-"""The expert cache in llama-server (patches 0004, 0009-0015 and 0021-0022, `--moe-cache-bytes`), on a device.
+"""The expert cache in llama-server (patches 0004, 0009-0015 and 0022-0023, `--moe-cache-bytes`), on a device.
 
 Which device, and why it proves the claim (docs/test-bed.md, "The RPC device"):
 - Every test runs on the **RPC device**: the RPC build's llama-server with `--rpc` to one

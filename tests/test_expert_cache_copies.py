@@ -1,11 +1,15 @@
-"""Where the expert cache's copies come from (patches 0004, 0013-0014): a prompt through the cache, the staging
-ring for a mapped model, and the choice of pinned host memory.
+"""Where the expert cache's copies come from (patches 0004, 0013-0014, 0017): a prompt through the cache, its
+copies one expert tensor ahead, the staging ring for a mapped model, and the choice of pinned host memory.
 
 Which device, and why it proves the claim:
 - The prompt and staging tests run on the **RPC device** (tests/conftest.py): the scheduler treats it
   as a GPU, so the cache fills the scheduler's full-size copy of a layer's experts from its slots and
   from host memory there, with the same code a GPU runs; a slot copied to the wrong expert, or a miss
   copied from the wrong offset, changes the tokens against the cache-off run of the same device.
+  The copies ahead (0017) run there as on a GPU: the RPC device has events, so they go to a second
+  backend of the device behind an event the compute waits for, into the same two buffers and through
+  the same fills. The reduced shape's buffers are more than an eighth of any budget, so the tests force
+  them on (`--moe-cache-prompt-ahead on`); what they overlap is the GPU check's to measure.
   The RPC device has no pinned host buffer, so the ring is forced on (`--moe-cache-staging on`) and
   runs in plain host memory: its chunking, offsets and copy threads are the code a GPU runs; the
   speed of pinned chunks is the GPU check's to measure (`make bench-gpu`).
@@ -25,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from moe_l2_cache.policy.replay import read_access_log, replay_accesses
+from moe_l2_gguf.model_shapes import tensor_plan
 from moe_l2_llama.settings import SOFTWARE_VULKAN_ENV, LlamaSettings, llama_server_command
 from tests.conftest import RpcDevice
 from tests.test_expert_cache import (
@@ -32,13 +37,14 @@ from tests.test_expert_cache import (
     N_MOE,
     N_PREDICT,
     SHAPE,
+    budget,
     cache_off_reference,
     cache_settings,
     metric,
     run_until_ready_or_exit,
     serve_on,
 )
-from tests.test_vulkan import Model, greedy, serve
+from tests.test_vulkan import Model, greedy, greedy_one, serve
 from tests.test_vulkan import models as models  # the module's fixture
 from tests.test_vulkan import settings as base_settings
 
@@ -83,6 +89,152 @@ def test_a_prompt_over_the_slots_copies_only_its_misses(
     assert engine["bypass_bytes"] == (used - replay.bypass_hits) * EXPERT_BYTES + padding
     # what the scheduler's own copy moved for the same batches: every used expert
     assert engine["bypass_bytes"] < used * EXPERT_BYTES
+
+
+# the two buffers of a prompt's copies one expert tensor ahead: twice the largest expert tensor
+AHEAD_BYTES = 2 * max(t.nbytes for t in tensor_plan(SHAPE) if t.role == "expert")
+# a prompt of many different words, so that a layer uses at least three quarters of its experts and the
+# copies go one layer ahead too, not only from a layer's tensor to its next
+LONG_PROMPT = (
+    "seven amber lanterns drifted over quiet harbors while merchants counted silver coins beneath "
+    "crooked towers; a violinist rehearsed forgotten melodies, children chased copper kites across "
+    "windy meadows, and the old astronomer mapped distant comets with trembling patience before dawn "
+    "painted frozen rivers gold. ninety weary travelers argued about maps, bread, thunder, glaciers, "
+    "pianos, volcanoes, orchids, submarines, algebra, cinnamon, lighthouses and rusty bicycles"
+)
+
+
+def ahead_settings(slots: int, policy: str = "default") -> LlamaSettings:
+    """The cache of `slots` slots, with the copies ahead forced on: their buffers come out of the bytes."""
+    s = cache_settings(slots, policy)
+    return s.model_copy(
+        update={
+            "expert_cache_bytes": str(int(budget(slots)) + AHEAD_BYTES),
+            "extra_args": f"{s.extra_args} --moe-cache-prompt-ahead on",
+        }
+    )
+
+
+def bypass_bytes_of_replay(accesses: list, hits: int) -> int:
+    """What the replay says a prompt's bypassed micro-batches copy from host memory: their used experts
+    not in slots, and the padding after each run of used experts."""
+    bypassed = [a for a in accesses if a.bypass]
+    used = sum(len(a.experts) for a in bypassed)
+    padding = sum(runs_before_the_last(a.experts, SHAPE.n_expert) for a in bypassed) * EXPERT_TENSORS * PADDING
+    return (used - hits) * EXPERT_BYTES + padding
+
+
+AHEAD_METRICS = ("bypass", "bypass_hits", "bypass_bytes", "ahead_bytes", "ahead_unused_bytes", "accesses", "hits")
+
+
+@pytest.mark.parametrize("slots", [SHAPE.n_expert_used + 1, 14, 32], ids=["7", "14", "32"])
+def test_a_prompt_copied_one_tensor_ahead_changes_no_token(
+    rpc_device: RpcDevice, models: dict[str, Model], slots: int, tmp_path: Path
+) -> None:
+    """Each of a prompt's expert tensors after the first of its layer computes on a buffer its misses
+    crossed into ahead of it: the tokens equal the cache off, the slots are the budget less the two
+    buffers, and what crossed is what the replay of the access log says was missing, plus the copies
+    ahead the tensor then did not use."""
+    model = models["ds-v2-lite"]
+    expected = cache_off_reference(rpc_device, model, tmp_path)
+    log = tmp_path / "access.log"
+    with serve_on(rpc_device, model.path, ahead_settings(slots), {"LLAMA_ARG_MOE_CACHE_LOG": str(log)}, tmp_path) as (
+        client,
+        log_path,
+    ):
+        got = greedy(client, N_PREDICT)
+        engine = {m: metric(client, f"moe_cache_{m}_total") for m in AHEAD_METRICS}
+        n_slot = metric(client, "moe_cache_slots")
+        log_text = log_path.read_text(errors="replace")
+    assert f"a prompt's misses copied one expert tensor ahead into 2 x {AHEAD_BYTES / 2 / 2**20:.2f} MiB" in log_text
+    assert "on a second backend, overlapping compute: RPC0" in log_text  # the RPC device has events
+    assert n_slot == slots
+    assert got == expected
+
+    accesses = read_access_log(log)
+    replay = replay_accesses(accesses, "default", N_MOE, SHAPE.n_expert, slots, SHAPE.n_expert_used)
+    assert replay.bypass > 0, "the prompts should use more experts than the slots"
+    assert (engine["accesses"], engine["hits"], engine["bypass"], engine["bypass_hits"]) == (
+        replay.accesses,
+        replay.hits,
+        replay.bypass,
+        replay.bypass_hits,
+    )
+    assert engine["ahead_bytes"] > 0
+    expected_bytes = bypass_bytes_of_replay(accesses, replay.bypass_hits) + engine["ahead_unused_bytes"]
+    assert engine["bypass_bytes"] == expected_bytes
+
+
+def test_a_long_prompt_is_copied_one_layer_ahead(
+    rpc_device: RpcDevice, models: dict[str, Model], tmp_path: Path
+) -> None:
+    """A prompt whose first layer uses at least three quarters of its experts: after its last tensor the
+    next layer's first one gets every expert not in a slot ahead of its ids, so everything but the first
+    layer's first tensor crossed ahead; what crossed is the replay's misses and the copies ahead it did
+    not use, exactly, and the tokens equal the cache off. The model's last layer computes only the
+    prompt's last row (no prompt's batch there), and nothing is copied ahead into it."""
+    model = models["ds-v2-lite"]
+    s_off = base_settings(gpu_layers=99, extra_args="--cpu-moe -lv 4")
+    with serve_on(rpc_device, model.path, s_off, {}, tmp_path) as (client, _):
+        expected = greedy_one(client, LONG_PROMPT, N_PREDICT)
+    log = tmp_path / "access.log"
+    slots = 14
+    with serve_on(rpc_device, model.path, ahead_settings(slots), {"LLAMA_ARG_MOE_CACHE_LOG": str(log)}, tmp_path) as (
+        client,
+        _,
+    ):
+        got = greedy_one(client, LONG_PROMPT, N_PREDICT)
+        engine = {m: metric(client, f"moe_cache_{m}_total") for m in AHEAD_METRICS}
+    assert got == expected
+
+    accesses = read_access_log(log)
+    prompt = [a for a in accesses if a.bypass]
+    assert [a.layer for a in prompt] == list(range(N_MOE - 1)), "a prompt's batch in every layer but the last"
+    assert 4 * len(prompt[0].experts) >= 3 * SHAPE.n_expert, "the first layer should use 3/4 of its experts"
+    replay = replay_accesses(accesses, "default", N_MOE, SHAPE.n_expert, slots, SHAPE.n_expert_used)
+    assert engine["bypass_bytes"] == bypass_bytes_of_replay(accesses, replay.bypass_hits) + engine["ahead_unused_bytes"]
+    # In expert-tensors (one tensor's bytes of one expert): the first layer's misses crossed ahead for its
+    # second and third tensors; the second layer's first tensor got every expert not in a slot (its ids not
+    # known yet), its other two exactly its misses. Before the prompt (no profile: no prefetch) a layer
+    # holds the distinct experts it used, up to its slots.
+    tensor = EXPERT_BYTES // EXPERT_TENSORS
+    hits = [
+        replay_accesses(accesses[: accesses.index(a) + 1], "default", N_MOE, SHAPE.n_expert, slots, SHAPE.n_expert_used)
+        for a in prompt[:2]
+    ]
+    misses = [
+        len(prompt[0].experts) - hits[0].bypass_hits,
+        len(prompt[1].experts) - (hits[1].bypass_hits - hits[0].bypass_hits),
+    ]
+    before = {e for a in accesses[: accesses.index(prompt[0])] if a.layer == 1 for e in a.experts}
+    not_in_slots = SHAPE.n_expert - min(slots, len(before))
+    assert engine["ahead_bytes"] == (2 * misses[0] + not_in_slots + 2 * misses[1]) * tensor
+    assert engine["ahead_unused_bytes"] == (not_in_slots - misses[1]) * tensor
+
+
+def test_the_copies_ahead_say_why_they_are_off(rpc_device: RpcDevice, models: dict[str, Model], tmp_path: Path) -> None:
+    """auto: off where the buffers would take more than an eighth of the cache's bytes (the reduced shape's
+    do at any budget under every expert), and where no second queue can overlap them; forced on with a
+    budget the buffers would leave under top-k slots: a warning. Each in one line, and the cache keeps
+    every slot of its budget."""
+    model = models["ds-v2-lite"]
+    with serve_on(rpc_device, model.path, cache_settings(16), {}, tmp_path) as (client, log_path):
+        auto_log = log_path.read_text(errors="replace")
+        auto_slots = metric(client, "moe_cache_slots")
+    assert "no copies one tensor ahead for prompts" in auto_log
+    assert "they would take more than an eighth of the cache's bytes" in auto_log
+    assert auto_slots == 16
+    one_queue = {"LLAMA_ARG_MOE_CACHE_COPY_STREAM": "0"}
+    with serve_on(rpc_device, model.path, cache_settings(16), one_queue, tmp_path) as (client, log_path):
+        one_queue_log = log_path.read_text(errors="replace")
+    assert "no second queue to copy on (no events on the device, or --no-moe-cache-copy-stream)" in one_queue_log
+    tight = ahead_settings(SHAPE.n_expert_used + 1).model_copy(update={"expert_cache_bytes": budget(16)})
+    with serve_on(rpc_device, model.path, tight, {}, tmp_path) as (client, log_path):
+        forced_log = log_path.read_text(errors="replace")
+        forced_slots = metric(client, "moe_cache_slots")
+    assert "no copies one tensor ahead for prompts" in forced_log
+    assert "they would leave fewer than top-k slots" in forced_log
+    assert forced_slots == 16
 
 
 @pytest.mark.parametrize("slots", [SHAPE.n_expert_used + 1, 14, 32], ids=["7", "14", "32"])
@@ -221,3 +373,14 @@ def test_the_staging_mode_is_checked_by_the_flag_parser(llama_binary: Path, mode
     code, log = run_until_ready_or_exit(cmd, {})
     assert code not in (None, 0)
     assert "unknown --moe-cache-staging 'maybe' (known: auto, on, off)" in log
+
+
+def test_the_prompt_ahead_mode_is_checked_by_the_flag_parser(llama_binary: Path, models: dict[str, Model]) -> None:
+    cmd = [
+        *llama_server_command(llama_binary, models["ds-v2-lite"].path, base_settings()),
+        "--moe-cache-prompt-ahead",
+        "sometimes",
+    ]
+    code, log = run_until_ready_or_exit(cmd, {})
+    assert code not in (None, 0)
+    assert "unknown --moe-cache-prompt-ahead 'sometimes' (known: auto, on, off)" in log

@@ -1,4 +1,4 @@
-"""Learned transitions (moe_l2_cache.transitions): llama's per-domain expert-pair counts (patch 0022) through
+"""Learned transitions (moe_l2_cache.transitions): llama's per-domain expert-pair counts (patch 0023) through
 the flywheel into Redis and out as the expert cache's prefetch tables. Against a real Redis; llama's
 /moe/routing is played by test_flywheel's transport, so every count is known. The oracle of the whole
 path is the policy study's own fit: counts of a per-token trace, pulled, stored and read back, give

@@ -1,6 +1,6 @@
 """Cross-layer transitions: which expert follows which at the next layer, per domain, learned from llama.
 
-llama-server with LLAMA_MOE_TRANSITIONS (patch 0022) counts, per domain tag, every pair (expert a at
+llama-server with LLAMA_MOE_TRANSITIONS (patch 0023) counts, per domain tag, every pair (expert a at
 layer l, expert b at layer l+1) of a token's top-k selections, and hands the counts over with each
 routing snapshot. The flywheel adds them to Redis (`moe:{model}:transitions:{domain}:{l}`, field
 "a:b"), and the engine-cache feeder turns them into the prefetch tables of llama's expert cache:

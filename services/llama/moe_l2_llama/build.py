@@ -52,7 +52,7 @@ DEFAULT_INDEX = "https://pypi.org/simple"
 CUDA_ARCHITECTURES = "61;75;86;89;90;120"
 BACKENDS = ("cpu", "vulkan", "cuda", "rpc")
 RPC_SERVER = "ggml-rpc-server"
-# upstream's tests/test-backend-ops, with patch 0024's --expert-cache (tests/test_backend_ops.py runs it): kept next
+# upstream's tests/test-backend-ops, with patch 0025's --expert-cache (tests/test_backend_ops.py runs it): kept next
 # to llama-server in the test builds of the backends it is run on, the CPU and Vulkan (llvmpipe) ones; the RPC and
 # CUDA builds leave it out (their tests and the GPU check do not run it) and save its compile (~1 min on 2 cores)
 BACKEND_OPS = "test-backend-ops"
