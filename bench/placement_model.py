@@ -413,6 +413,7 @@ class Placement:
     cpu_misses: bool = False  # the new design: misses split between copies and the CPU
     host: str = "pinned"  # pinned | mapped | ring: where the host experts are copied from
     prompt_through_cache: bool = True  # patch 0013: a prompt's misses copied by the cache, one expert each
+    prompt_ahead: bool = False  # patch 0017: a prompt's copies one expert tensor ahead, overlapping compute
 
 
 @dataclass
@@ -516,9 +517,32 @@ def prompt(
         copied_bytes = host_layers * used * share * shape.expert_bytes
     if pl.n_cache and pl.prompt_through_cache:
         n_copies = copied_bytes / shape.expert_bytes
-        terms["PCIe copies"] = n_copies * machine.expert_copy_s(shape.expert_bytes, pl.host)
+        copy_s = n_copies * machine.expert_copy_s(shape.expert_bytes, pl.host)
+        if pl.prompt_ahead:
+            return prompt_ahead(n, terms, copy_s, used / shape.n_expert, pl.n_cache)
+        terms["PCIe copies"] = copy_s
     else:
         terms["PCIe copies"] = machine.bulk_copy_s(copied_bytes, pl.host)
+    return Estimate(n, terms)
+
+
+EXPERT_TENSORS = 3  # gate, up, down: the expert nodes of a layer, each a split of its own
+AHEAD_LAYER_SHARE = 0.75  # patch 0017 copies the next layer ahead when this one used this share of its experts
+
+
+def prompt_ahead(n: int, terms: dict[str, float], copy_s: float, used_share: float, n_cache: int) -> Estimate:
+    """Patch 0017: while one expert tensor computes, the next one's misses cross on the copy stream. Only the
+    first tensor's copies stay in line; the others overlap the compute, so the prompt takes the longer of the
+    two. Across layers the copies ahead take every expert not in a slot (the next layer's ids are not known
+    yet): a share 1 - used_share of them goes unused, which the copy stream carries too."""
+    if used_share >= AHEAD_LAYER_SHARE:
+        copy_s /= used_share
+        first = copy_s / (EXPERT_TENSORS * n_cache)
+    else:
+        first = copy_s / EXPERT_TENSORS  # each layer's first tensor in line, the other two ahead
+    compute = sum(terms.values())
+    terms["PCIe copies (in line)"] = first
+    terms["PCIe copies (beyond the compute)"] = max(0.0, copy_s - first - compute)
     return Estimate(n, terms)
 
 
@@ -1133,6 +1157,14 @@ def design_rows(shape: Shape, machine: Machine, budget: int, label: str) -> list
         )
         pl = Placement("e+cpu", n_cache=L, slots=slots, cpu_misses=True)
         add("e+cpu", f"{slots} slots, misses split PCIe/CPU (choose_split)", pl, st, st.source)
+        # patch 0017's two buffers (a full-size expert tensor each) come out of the budget when they take at
+        # most an eighth of it
+        ahead = 2 * shape.n_expert * S // EXPERT_TENSORS
+        slots_a = min(shape.n_expert, (budget - ahead) // (L * S))
+        if 8 * ahead <= budget and slots_a >= shape.top_k:
+            st_a = esft_stats(slots_a, shape.top_k, shape.n_expert)
+            pl = Placement("e+cpu+ahead", n_cache=L, slots=slots_a, cpu_misses=True, prompt_ahead=True)
+            add("e+cpu+ahead", f"{slots_a} slots and the prompt's copies one tensor ahead", pl, st_a, st_a.source)
     else:
         out.append(
             Prediction(

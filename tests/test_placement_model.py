@@ -297,3 +297,29 @@ def test_predictions_cover_the_h200_budgets_and_the_consumer_card(pm, tmp_path, 
     assert {p["row"] for p in whole} == {"a"} and all("everything fits" in p["what"] for p in whole)
     assert all(p["decode_tps"] > 0 for p in preds if p["row"] != "e" or "refuses" not in p["what"])
     assert "| NVIDIA H200 (2026-12-04) | ds-v2-lite | 50%" in capsys.readouterr().out
+
+
+def test_the_prompt_copies_ahead_overlap_the_compute(pm, ds, h200):
+    """Patch 0017's prompt: only the first tensor's copies stay in line, the rest overlap the compute, so the
+    prompt is faster than the same cache copying in line, and the wasted copies of a layer ahead count; a
+    prompt that is all compute (no copies) gains nothing."""
+    st = pm.esft_stats(30, ds.top_k, ds.n_expert)
+    line = pm.Placement("e", n_cache=ds.n_moe, slots=30)
+    ahead = pm.Placement("e", n_cache=ds.n_moe, slots=30, prompt_ahead=True)
+    p_line = pm.prompt(ds, h200, line, 117, stats=st)
+    p_ahead = pm.prompt(ds, h200, ahead, 117, stats=st)
+    assert p_ahead.total_s < p_line.total_s
+    # never faster than the longer of the two pipes: the compute, or all the copies (with the unused ones)
+    compute = p_line.terms["GPU prompt compute"] + p_line.terms["host round trips"]
+    assert p_ahead.total_s >= max(compute, p_line.terms["PCIe copies"])
+    none = pm.prompt(ds, h200, ahead, 117, copied_bytes=0.0, stats=st)
+    assert none.total_s == pytest.approx(compute)
+
+
+def test_the_copies_ahead_are_predicted_to_beat_stock_prompts_on_the_h200(pm):
+    preds = [p for p in pm.predictions() if "H200" in p.machine and p.shape == "ds-v2-lite"]
+    by = {(p.budget.split(" ")[0], p.row): p for p in preds}
+    for budget in ("50%", "25%"):
+        assert by[(budget, "e+cpu+ahead")].prompt_tps > by[(budget, "cp")].prompt_tps
+        assert by[(budget, "e+cpu+ahead")].prompt_tps > by[(budget, "e+cpu")].prompt_tps
+        assert by[(budget, "e+cpu+ahead")].decode_tps > 1.1 * by[(budget, "cp")].decode_tps
