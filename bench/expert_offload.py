@@ -160,6 +160,14 @@ CONFIGS: dict[str, Config] = {
             auto=True,
         ),
         Config(
+            "eh",
+            "expert-cache prompt not ahead",
+            "e with --moe-cache-prompt-ahead off: each prompt tensor's misses copied before it computes, the two "
+            "buffers of the copies ahead (patch 0017) back in the cache's slots",
+            "e",
+            args=("--moe-cache-prompt-ahead", "off"),
+        ),
+        Config(
             "ed",
             "expert-cache mmap direct",
             "em without the staging ring: misses copied from the mapping by the driver",

@@ -337,7 +337,7 @@ run_budget() {  # run_budget SHARE CAP: one expert_offload run; the first budget
     # d (mmap'd copies, never the best), ep (e pins by itself now),
     # ed (the mapping without the ring) and en (one queue), both measured on 2026-12-04, er (pinned refused: its
     # log line); GPU_CHECK_BENCH_ARGS="--configs ..." replaces the list
-    configs="a,b,bp,c,cp,dp,e,ea,eo,ec,em,el"
+    configs="a,b,bp,c,cp,dp,e,ea,eh,eo,ec,em,el"
     # llvmpipe: a server's warm-up on a 9-token prompt takes ~2 min on one thread, so the rehearsal runs
     # the rows that exercise every path (stock, pinned stock, the cache, the default) and --rpc the full
     # list; a: a 33-token prompt took 15 min there
@@ -347,7 +347,7 @@ run_budget() {  # run_budget SHARE CAP: one expert_offload run; the first budget
     # "malloc(): unsorted double linked list corrupted", on two 3-token prompts); --rpc rehearses -np 4
     [ "$MODE" = llvmpipe ] && more=(--gauges)
   else
-    configs="$STOCK,e,ea,eo,ec,em"
+    configs="$STOCK,e,ea,eh,eo,ec,em"
     [ "$MODE" = llvmpipe ] && configs="b,cp,e,ea"
   fi
   run_step "bench-$name" "$cap" "$PY" bench/expert_offload.py "${COMMON[@]}" --cache-bytes "$share" \
