@@ -55,7 +55,7 @@ from moe_l2_cache.policy.profile import fit_profile
 from moe_l2_cache.policy.replay import DomainTables, read_access_log, replay_accesses
 from moe_l2_contracts.admin import ADMIN_TOKEN_HEADER
 from moe_l2_contracts.schemas.llama import ExpertCacheProfile, ExpertCacheProfileResult, ExpertCacheShape, decode_f32
-from moe_l2_gguf.model_shapes import get_shape, sizes
+from moe_l2_gguf.model_shapes import get_shape, sizes, tensor_plan
 from moe_l2_llama.route_trace import from_esft_npz, write_route_trace
 from moe_l2_llama.settings import LlamaSettings, device_env, llama_server_command, llama_server_env
 from moe_l2_ops.doctor import check_expert_cache
@@ -100,6 +100,21 @@ def serve_on(
 
 def budget(slots: int) -> str:
     return str(slots * EXPERT_BYTES * N_MOE)
+
+
+# the two buffers of a prompt's copies one expert tensor ahead (patch 0017): twice the largest expert tensor
+AHEAD_BYTES = 2 * max(t.nbytes for t in tensor_plan(SHAPE) if t.role == "expert")
+
+
+def with_prompt_ahead(s: LlamaSettings, slots: int) -> LlamaSettings:
+    """The cache of `slots` slots with the copies ahead forced on: their buffers come out of the bytes, so the
+    budget is the slots' and the buffers' (and a MiB for a device's padding of them, under one more slot)."""
+    return s.model_copy(
+        update={
+            "expert_cache_bytes": str(int(budget(slots)) + AHEAD_BYTES + 2**20),
+            "extra_args": f"{s.extra_args} --moe-cache-prompt-ahead on",
+        }
+    )
 
 
 def cache_settings(slots: int, policy: str = "default", parallel: int = 1) -> LlamaSettings:
@@ -227,16 +242,21 @@ def post_profile(client: httpx.Client, profile: ExpertCacheProfile, token: str =
     return client.post("/moe/cache/profile", json=profile.model_dump(), headers={ADMIN_TOKEN_HEADER: token})
 
 
+_esft_cache_off: dict[str, list[int]] = {}
+
+
 @pytest.mark.skipif(not ESFT_NPZ.is_file(), reason=f"the ESFT routing data is not at {ESFT_NPZ}")
 @ON_RPC_AND_LLVMPIPE
+@pytest.mark.parametrize("ahead", [False, True], ids=["", "prompt-ahead"])
 def test_64_tokens_under_the_esft_trace_equal_the_cache_off(
-    device: EngineDevice, models: dict[str, Model], tmp_path: Path
+    device: EngineDevice, models: dict[str, Model], ahead: bool, tmp_path: Path
 ) -> None:
     """The routing DeepSeek-V2-Lite had on an ESFT prompt (LLAMA_MOE_ROUTE_TRACE), 64 greedy tokens, a
     quarter of the experts in the cache with the default policy prefetching by a profile fitted on
     other sequences of the same task: the tokens equal the cache-off run's. On both devices: on
     llvmpipe the slots, copies and the second backend's events are ggml-vulkan's own (a GPU backend's
-    buffers and queues), with a 25-token prompt and one-row decode steps, clear of lavapipe's fault."""
+    buffers and queues), with a 25-token prompt and one-row decode steps, clear of lavapipe's fault.
+    With the prompt's copies one expert tensor ahead forced on (patch 0017), on that second backend too."""
     model = models["ds-v2-lite"]
     law = from_esft_npz(ESFT_NPZ, tasks=["law"], seqs=slice(0, 30), layers=N_MOE)
     trace = tmp_path / "law.trace"
@@ -247,23 +267,30 @@ def test_64_tokens_under_the_esft_trace_equal_the_cache_off(
     headers = {"X-MoE-Domain": "logic"}
     n_tokens = 64
 
-    off = base_settings(gpu_layers=99, extra_args="--cpu-moe -lv 4")
-    with serve_on(device, model.path, off, env, tmp_path) as (client, _):
-        expected = greedy_one(client, PROMPTS[1], n_tokens, headers)
+    if device.device not in _esft_cache_off:  # once per device for both variants: llvmpipe takes minutes
+        off = base_settings(gpu_layers=99, extra_args="--cpu-moe -lv 4")
+        with serve_on(device, model.path, off, env, tmp_path) as (client, _):
+            _esft_cache_off[device.device] = greedy_one(client, PROMPTS[1], n_tokens, headers)
+    expected = _esft_cache_off[device.device]
 
     on = cache_settings(16).model_copy(update={"admin_token": TOKEN})
+    if ahead:
+        on = with_prompt_ahead(on, 16)
     with serve_on(device, model.path, on, env, tmp_path) as (client, log_path):
         log_text = log_path.read_text()
         device.assert_holds_the_model(log_text)
         assert copy_stream_line(device) in log_text  # the prefetch's copies run on a second backend
+        assert metric(client, "moe_cache_slots") == 16
         body = ExpertCacheProfile.from_tables(
             "logic", freq=fitted.domain_freq["logic"], transitions=fitted.domain_transitions["logic"]
         )
         assert post_profile(client, body).status_code == 200
         got = greedy_one(client, PROMPTS[1], n_tokens, headers)
         loads, prefetched = metric(client, "moe_cache_loads_total"), metric(client, "moe_cache_prefetch_total")
+        ahead_bytes = metric(client, "moe_cache_ahead_bytes_total")
     assert got == expected
     assert loads > 0 and prefetched > 0
+    assert (ahead_bytes > 0) == ahead
 
 
 def domain_counters(client: httpx.Client) -> dict[str, tuple[int, int]]:

@@ -29,10 +29,11 @@ from pathlib import Path
 import pytest
 
 from moe_l2_cache.policy.replay import read_access_log, replay_accesses
-from moe_l2_gguf.model_shapes import tensor_plan
+from moe_l2_contracts.schemas.llama import ExpertCacheShape
 from moe_l2_llama.settings import SOFTWARE_VULKAN_ENV, LlamaSettings, llama_server_command
 from tests.conftest import RpcDevice
 from tests.test_expert_cache import (
+    AHEAD_BYTES,
     EXPERT_BYTES,
     N_MOE,
     N_PREDICT,
@@ -43,6 +44,7 @@ from tests.test_expert_cache import (
     metric,
     run_until_ready_or_exit,
     serve_on,
+    with_prompt_ahead,
 )
 from tests.test_vulkan import Model, greedy, greedy_one, serve
 from tests.test_vulkan import models as models  # the module's fixture
@@ -91,8 +93,6 @@ def test_a_prompt_over_the_slots_copies_only_its_misses(
     assert engine["bypass_bytes"] < used * EXPERT_BYTES
 
 
-# the two buffers of a prompt's copies one expert tensor ahead: twice the largest expert tensor
-AHEAD_BYTES = 2 * max(t.nbytes for t in tensor_plan(SHAPE) if t.role == "expert")
 # a prompt of many different words, so that a layer uses at least three quarters of its experts and the
 # copies go one layer ahead too, not only from a layer's tensor to its next
 LONG_PROMPT = (
@@ -106,13 +106,7 @@ LONG_PROMPT = (
 
 def ahead_settings(slots: int, policy: str = "default") -> LlamaSettings:
     """The cache of `slots` slots, with the copies ahead forced on: their buffers come out of the bytes."""
-    s = cache_settings(slots, policy)
-    return s.model_copy(
-        update={
-            "expert_cache_bytes": str(int(budget(slots)) + AHEAD_BYTES),
-            "extra_args": f"{s.extra_args} --moe-cache-prompt-ahead on",
-        }
-    )
+    return with_prompt_ahead(cache_settings(slots, policy), slots)
 
 
 def bypass_bytes_of_replay(accesses: list, hits: int) -> int:
@@ -145,10 +139,14 @@ def test_a_prompt_copied_one_tensor_ahead_changes_no_token(
         got = greedy(client, N_PREDICT)
         engine = {m: metric(client, f"moe_cache_{m}_total") for m in AHEAD_METRICS}
         n_slot = metric(client, "moe_cache_slots")
+        shape = ExpertCacheShape.model_validate(client.get("/moe/cache").json())
         log_text = log_path.read_text(errors="replace")
     assert f"a prompt's misses copied one expert tensor ahead into 2 x {AHEAD_BYTES / 2 / 2**20:.2f} MiB" in log_text
     assert "on a second backend, overlapping compute: RPC0" in log_text  # the RPC device has events
     assert n_slot == slots
+    assert shape.ahead_bytes == AHEAD_BYTES
+    # the slabs, the two buffers, and the slot id tables (a few KiB)
+    assert 0 <= shape.device_bytes - (slots * N_MOE * EXPERT_BYTES + AHEAD_BYTES) < 2**20
     assert got == expected
 
     accesses = read_access_log(log)
