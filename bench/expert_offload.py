@@ -868,6 +868,7 @@ def summarize(s: Server, base: Server, log_text: str) -> dict:
         "load_mode": s.config.load_mode,
         "policy": s.config.policy,
         "host_experts_log": host_experts_line(log_text),
+        "prompt_ahead_log": prompt_ahead_line(log_text),
         "start_seconds": s.start_seconds,
         "concurrent": s.concurrent,
         "expert_cache": cache,
@@ -947,6 +948,15 @@ def table(rows: dict[str, dict]) -> str:
 
 HOST_EXPERTS_LOG = "expert cache: host experts"  # the engine's one line saying where it keeps the experts
 MISSES_FROM_LOG = "expert cache: misses are copied from"  # the cache's line: pinned, or pageable and why
+PROMPT_AHEAD_LOG = "a prompt's misses copied one expert tensor ahead"  # patch 0017 on
+NO_PROMPT_AHEAD_LOG = "no copies one tensor ahead for prompts"  # patch 0017 off, and why
+
+
+def prompt_ahead_line(log_text: str) -> str | None:
+    """The engine's line saying whether a prompt's copies run one expert tensor ahead (patch 0017), and why
+    not, if any."""
+    found = [line.strip() for line in log_text.splitlines() if PROMPT_AHEAD_LOG in line or NO_PROMPT_AHEAD_LOG in line]
+    return " | ".join(found) or None
 
 
 def host_experts_line(log_text: str) -> str | None:
@@ -1519,6 +1529,7 @@ def main(argv: list[str] | None = None) -> int:
             rows[key] = {"config": c.name, "what": c.what, "status": "measured", "base": c.base}
             rows[key] |= {"concurrent": s.concurrent, "server_args": s.args, "env": s.env}
             rows[key] |= {"host_experts_log": host_experts_line(logs[key]), "start_seconds": s.start_seconds}
+            rows[key] |= {"prompt_ahead_log": prompt_ahead_line(logs[key])}
         elif key in servers:
             s = servers[key]
             rows[key] = summarize(s, servers["b"], logs[key])
@@ -1600,6 +1611,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         if row.get("host_experts_log"):
             print(f"{key}: {row['host_experts_log']}")
+        if row.get("prompt_ahead_log"):
+            print(f"{key}: {row['prompt_ahead_log']}")
         if row.get("concurrent"):
             print(f"{key}: {row['concurrent']['summary']}")
     print(

@@ -771,7 +771,10 @@ def placement_of(key: str, row: Mapping, shape: Shape) -> Placement:
         return Placement(key, n_copy=L, host=host)
     if base == "e":
         through = bool(row.get("host_experts_log"))  # the line came with 0014, after 0013 (prompts through the cache)
-        return Placement(key, n_cache=L, slots=slots_of(row, shape), host=host, prompt_through_cache=through)
+        ahead = "copied one expert tensor ahead" in str(row.get("prompt_ahead_log") or "")  # 0017 on
+        return Placement(
+            key, n_cache=L, slots=slots_of(row, shape), host=host, prompt_through_cache=through, prompt_ahead=ahead
+        )
     raise NotModelled(f"unknown placement {base!r}")
 
 
