@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import lzma
 import os
 import platform
 import re
@@ -738,6 +739,17 @@ def subset_trace(trace_file: Path, seqs: list[int], out: Path, tags: list[str]) 
     offsets = np.concatenate([[0], np.cumsum([len(p) for p in parts])]).astype(np.int32)
     write_route_trace(RouteTrace(ids=np.concatenate(parts), offsets=offsets, n_expert=trace.n_expert), out)
     return [tags[q] for q in seqs]
+
+
+def keep_access_log(log_file: Path, out: Path, key: str) -> Path:
+    """An access log whose replay differs from the engine's counters, xz-compressed next to the JSON
+    (`<json stem>-<key>-access.log.xz`), so that what comes back from a GPU machine holds what it takes
+    to find the difference (the CUDA runs of 2026-12-04 differed by a hit and a few prefetches, and
+    their logs stayed on the machine)."""
+    kept = out.parent / f"{out.stem}-{key}-access.log.xz"
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    kept.write_bytes(lzma.compress(log_file.read_bytes()))
+    return kept
 
 
 def replay_check(s: Server, args: argparse.Namespace, layout: ExpertLayout) -> dict:
@@ -1535,7 +1547,10 @@ def main(argv: list[str] | None = None) -> int:
             rows[key] = summarize(s, servers["b"], logs[key])
             log_file = Path(s.env.get("LLAMA_ARG_MOE_CACHE_LOG", "/nonexistent"))
             if rows[key]["expert_cache"] and s.final_cache and log_file.is_file():
-                rows[key]["expert_cache"]["replay_check"] = replay_check(s, args, layout)
+                check = replay_check(s, args, layout)
+                if not check["equal"]:
+                    check["access_log_kept"] = keep_access_log(log_file, args.out, key).name
+                rows[key]["expert_cache"]["replay_check"] = check
                 rows[key]["expert_cache"]["profile"] = profile_note
         elif key in skipped:
             rows[key] = {"config": c.name, "what": c.what, "status": skipped[key]}

@@ -4,6 +4,7 @@ host→device bytes derived from routing counts, and its one-line errors. No ser
 from __future__ import annotations
 
 import json
+import lzma
 from types import SimpleNamespace
 
 import httpx
@@ -331,3 +332,13 @@ def test_the_mapped_model_s_copy_rate_is_measured_in_a_child_or_says_why_not(ben
     broken.chmod(0o755)
     monkeypatch.setattr(bench.sys, "executable", str(broken))
     assert bench.mapped_h2d(model) == {"skipped": "exit 3: Traceback: boom"}
+
+
+def test_an_access_log_that_differs_from_the_counters_comes_back_compressed(bench, tmp_path):
+    log = tmp_path / "logs" / "e-access.log"
+    log.parent.mkdir()
+    log.write_text("1 0 0 - 3 7 9\n1 1 1 - 0 1 2 3 4 5 6 7\n" * 100)
+    kept = bench.keep_access_log(log, tmp_path / "out" / "offload_50.json", "e")
+    assert kept == tmp_path / "out" / "offload_50-e-access.log.xz"
+    assert lzma.decompress(kept.read_bytes()) == log.read_bytes()
+    assert kept.stat().st_size < log.stat().st_size
