@@ -362,23 +362,13 @@ def test_a_machine_short_of_memory_keeps_the_mapping_and_stages_the_misses(
     assert "through a staging ring of 4 x 4.00 MiB of pinned memory" in log_text
 
 
-def test_the_staging_mode_is_checked_by_the_flag_parser(llama_binary: Path, models: dict[str, Model]) -> None:
-    cmd = [
-        *llama_server_command(llama_binary, models["ds-v2-lite"].path, base_settings()),
-        "--moe-cache-staging",
-        "maybe",
-    ]
+@pytest.mark.parametrize(
+    ("flag", "value"), [("--moe-cache-staging", "maybe"), ("--moe-cache-prompt-ahead", "sometimes")]
+)
+def test_the_copy_modes_are_checked_by_the_flag_parser(
+    llama_binary: Path, models: dict[str, Model], flag: str, value: str
+) -> None:
+    cmd = [*llama_server_command(llama_binary, models["ds-v2-lite"].path, base_settings()), flag, value]
     code, log = run_until_ready_or_exit(cmd, {})
     assert code not in (None, 0)
-    assert "unknown --moe-cache-staging 'maybe' (known: auto, on, off)" in log
-
-
-def test_the_prompt_ahead_mode_is_checked_by_the_flag_parser(llama_binary: Path, models: dict[str, Model]) -> None:
-    cmd = [
-        *llama_server_command(llama_binary, models["ds-v2-lite"].path, base_settings()),
-        "--moe-cache-prompt-ahead",
-        "sometimes",
-    ]
-    code, log = run_until_ready_or_exit(cmd, {})
-    assert code not in (None, 0)
-    assert "unknown --moe-cache-prompt-ahead 'sometimes' (known: auto, on, off)" in log
+    assert f"unknown {flag} '{value}' (known: auto, on, off)" in log
