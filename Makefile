@@ -70,11 +70,13 @@ run: $(STAMP)
 
 # The engines are built (or found in the cache) before pytest so their progress is visible. The
 # Vulkan one needs its packages (docs/test-bed.md): without glslc a developer's run skips its tests,
-# while CI (CI set) builds it anyway, so a missing package is an error there.
+# while CI (CI set) builds it anyway, so a missing package is an error there. After it, llvmpipe
+# compiles the probe's pipelines into Mesa's shader cache, a step with its time (tests/llvmpipe_probe.py:
+# a cold cache once outran the probe's bound and failed CI on a fresh machine, issue 42).
 test: $(STAMP)
 	$(MOE) build-llama
 	$(MOE) build-llama --rpc
-	$(if $(or $(CI),$(shell command -v glslc)),$(MOE) build-llama --vulkan)
+	$(if $(or $(CI),$(shell command -v glslc)),$(MOE) build-llama --vulkan && $(PY) -m tests.llvmpipe_probe)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The inner loop (README, "Which to run"): the tests that need no llama.cpp build, no Docker engine and no

@@ -8,6 +8,14 @@
 - Every run ends with one line per area of the suite: the tests that ran, passed, failed, were
   skipped or xfailed (AREAS maps test paths to areas; a path it does not map is counted as "other").
 
+- A device fault is covered by twins (issue 42). A test skipped for DEVICE_FAULT (tests/conftest.py: the
+  probe found that this machine's llvmpipe faults on the batches the Vulkan tests send) passes in CI only
+  if its twin on the RPC device, the same assertion on the same model and budgets, ran and passed in
+  the same run. The twin is the test's `rpc_twin` mark (a node id), or, for a test parametrized over
+  devices (tests/conftest.py's ON_RPC_AND_LLVMPIPE), the same parameters with `rpc_device`. A Vulkan
+  test without a twin cannot be skipped; a twin that failed, or did not run, fails the run. The
+  summary names each pair.
+
 `--skip-allowlist FILE` reads another allowlist (the plugin's own tests use it).
 """
 
@@ -64,6 +72,13 @@ AREAS: tuple[tuple[str, str], ...] = (
     ("tests/test_dockerfiles.py", "containers"),
     ("tests/kubernetes/*", "kubernetes"),
 )
+# The start of a skip's reason that says the device faulted (tests/conftest.py's vulkan_binary): the test
+# is then covered by its RPC twin, not by the allowlist.
+DEVICE_FAULT = "llvmpipe fault"
+# The fixtures through which a test meets the probe (tests/conftest.py): the device parameter, or the build
+PROBED_FIXTURES = {"device", "vulkan_binary", "vulkan_device"}
+TWIN_DEVICE = ("vulkan_device", "rpc_device")  # the parameter values of a device-parametrized test and its twin
+
 AREA_ORDER = ("engine", "gateway", "cache", "predictor", "containers", "kubernetes", "other")
 
 
@@ -141,6 +156,19 @@ class Tally:
         return f"  {area:<11} " + ", ".join(parts)
 
 
+def twin_of(item: pytest.Item, by_name: dict[tuple[str, str], list[pytest.Item]]) -> str | None:
+    """The node id of item's RPC twin, or None: its `rpc_twin` mark, else the same test with every
+    `vulkan_device` parameter `rpc_device` (by_name: the session's items by file and function)."""
+    if mark := item.get_closest_marker("rpc_twin"):
+        return str(mark.args[0])
+    params = getattr(getattr(item, "callspec", None), "params", None)
+    if not params or TWIN_DEVICE[0] not in params.values():
+        return None
+    wanted = {k: TWIN_DEVICE[1] if v == TWIN_DEVICE[0] else v for k, v in params.items()}
+    key = (item.nodeid.split("::", 1)[0], getattr(item, "originalname", item.name))
+    return next((other.nodeid for other in by_name.get(key, []) if other.callspec.params == wanted), None)  # type: ignore[attr-defined]
+
+
 @dataclass(eq=False)  # a plugin object must be hashable
 class Policy:
     allowlist_path: Path
@@ -150,16 +178,49 @@ class Policy:
     skips: dict[str, str] = field(default_factory=dict)  # nodeid -> skip message
     refused: dict[str, str] = field(default_factory=dict)  # the skips no entry allows
     allowed: dict[str, Allowed] = field(default_factory=dict)  # the others, and the entry that allows each
+    twins: dict[str, str | None] = field(default_factory=dict)  # a Vulkan test -> its RPC twin's node id
+    covered: dict[str, str] = field(default_factory=dict)  # a test skipped for DEVICE_FAULT -> its twin
+    show_twins: bool = False
 
     # -- recording ---------------------------------------------------------------------------------
 
     def _skipped(self, nodeid: str, message: str) -> None:
         self.skips[nodeid] = message
+        if message.startswith(DEVICE_FAULT):
+            if twin := self.twins.get(nodeid):
+                self.covered[nodeid] = twin
+            else:  # no allowlist entry can stand in for a twin
+                self.refused[nodeid] = f"{message} [no RPC twin: a Vulkan test without one cannot be skipped]"
+            return
         entry = next((entry for entry in self.allowlist if entry.allows(nodeid, message)), None)
         if entry is None:
             self.refused[nodeid] = message
         else:
             self.allowed[nodeid] = entry
+
+    @pytest.hookimpl(tryfirst=True)  # before -k, -m and --deselect: a twin deselected is a twin that did not run
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        by_name: dict[tuple[str, str], list[pytest.Item]] = {}
+        for item in items:
+            if getattr(item, "callspec", None) is not None:
+                key = (item.nodeid.split("::", 1)[0], getattr(item, "originalname", item.name))
+                by_name.setdefault(key, []).append(item)
+        for item in items:
+            if item.get_closest_marker("vulkan"):
+                self.twins[item.nodeid] = twin_of(item, by_name)
+        if self.show_twins:  # --show-twins: the pairs as collected, one line each (tests/test_ci_policy.py)
+            probed = {item.nodeid for item in items if PROBED_FIXTURES & set(getattr(item, "fixturenames", ()))}
+            for nodeid, twin in self.twins.items():
+                print(f"twin: {nodeid} <- {twin} ({'probed' if nodeid in probed else 'unprobed'})")
+
+    def twin_problems(self) -> dict[str, str]:
+        """A covered test -> what is wrong with its twin: it failed, or it did not run."""
+        problems = {}
+        for nodeid, twin in self.covered.items():
+            outcome = self.outcomes.get(twin)
+            if outcome != "passed":
+                problems[nodeid] = f"its RPC twin {twin} {'did not run' if outcome is None else outcome}"
+        return problems
 
     @pytest.hookimpl
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -203,7 +264,8 @@ class Policy:
     @pytest.hookimpl
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         # a run with nothing else wrong fails; a whole module skipped may leave "no tests collected" (5)
-        if self.ci and self.refused and session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        wrong = self.refused or self.twin_problems()
+        if self.ci and wrong and session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
     @pytest.hookimpl
@@ -215,6 +277,7 @@ class Policy:
             for area in AREA_ORDER:
                 if area in tallies:
                     write(tallies[area].line(area))
+        self._report_twins(terminalreporter)
         for nodeid, entry in self.allowed.items():
             why = " ".join(entry.why.split())
             write(
@@ -248,6 +311,33 @@ class Policy:
                 red=True,
             )
 
+    def _report_twins(self, terminalreporter: pytest.TerminalReporter) -> None:
+        """`vulkan: 12 skipped (llvmpipe fault: ...); their RPC twins: 12 passed`, then each pair; a twin
+        that failed or did not run is named, and fails the run in CI."""
+        if not self.covered:
+            return
+        write = terminalreporter.write_line
+        problems = self.twin_problems()
+        first = self.skips[next(iter(self.covered))]
+        fault = first.split(": ", 1)[1] if ": " in first else first
+        passed = len(self.covered) - len(problems)
+        write(
+            f"vulkan: {len(self.covered)} skipped ({DEVICE_FAULT}: {fault}); "
+            f"their RPC twins: {passed} passed" + (f", {len(problems)} not" if problems else ""),
+            red=bool(problems),
+        )
+        for nodeid, twin in self.covered.items():
+            if nodeid in problems:
+                write(f"  {nodeid}: {problems[nodeid]}", red=True)
+            else:
+                write(f"  {nodeid} <- twin {twin} passed")
+        if problems and self.ci:
+            write(
+                f"CI is set: {plural(len(problems), 'Vulkan test')} skipped for a device fault without a passing "
+                "RPC twin, so this run fails.",
+                red=True,
+            )
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
@@ -255,6 +345,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=str(ALLOWLIST),
         help="the skips CI accepts (default: tests/skip_allowlist.toml; see tests/ci_policy.py)",
     )
+    parser.addoption("--show-twins", action="store_true", help="print each Vulkan test's RPC twin as collected")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -263,4 +354,8 @@ def pytest_configure(config: pytest.Config) -> None:
         entries = load_allowlist(path)
     except AllowlistError as exc:
         raise pytest.UsageError(f"skip allowlist: {exc}") from exc
-    config.pluginmanager.register(Policy(path, entries, ci_enabled()), "moe-l2-ci-policy")
+    config.addinivalue_line(
+        "markers", "rpc_twin(nodeid): the RPC device's test that covers this Vulkan test where llvmpipe faults"
+    )
+    policy = Policy(path, entries, ci_enabled(), show_twins=config.getoption("--show-twins"))
+    config.pluginmanager.register(policy, "moe-l2-ci-policy")

@@ -7,6 +7,7 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
@@ -16,6 +17,9 @@ from moe_l2_gguf.demo_model import load_planted, make_demo_model
 from moe_l2_llama.settings import LlamaSettings, llama_server_binary
 from moe_l2_ops.llama_service import llama_service_spec
 from moe_l2_ops.supervisor import ServiceSpec, Supervisor, SupervisorError, describe_exit, free_port, tcp_open
+
+if TYPE_CHECKING:
+    from tests.llvmpipe_probe import ProbeReport
 
 # tests/ci_policy.py: with CI set an unallowlisted skip fails the run; the per-area summary.
 # tests/selection.py: the tests that use an engine build are marked, so `make check` leaves them out.
@@ -110,52 +114,74 @@ def llvmpipe_probe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_probe_model(tmp_path_factory.mktemp("llvmpipe-probe-model") / "probe.gguf")
 
 
-def llvmpipe_verdict(fault: str | None, ci: bool) -> tuple[str, str] | None:
-    """What a probe finding does to the Vulkan tests: None (no finding) lets them run; in CI it is a
-    failure, so main cannot land with its device tests skipped (issue 33: CI once passed with all 28
-    skipped); on a developer's machine a skip that says why."""
-    if fault is None:
-        return None
-    reason = f"this machine's llvmpipe fails the batches the Vulkan tests send (docs/test-bed.md): {fault}"
-    return ("fail" if ci else "skip"), reason
-
-
 def require_sound_llvmpipe(
-    binary: Path, model: Path, logs: Path, *, probe: Callable[[Path, Path, Path], str | None], ci: bool
-) -> None:
-    """Runs the probe and acts on its verdict (pytest.fail or pytest.skip); returns when it passes."""
-    verdict = llvmpipe_verdict(probe(binary, model, logs), ci)
-    if verdict is None:
-        return
-    action, reason = verdict
-    if action == "fail":
-        pytest.fail(reason, pytrace=False)
-    pytest.skip(reason)
+    binary: Path, model: Path, logs: Path, *, probe: Callable[[Path, Path, Path], ProbeReport]
+) -> ProbeReport:
+    """Runs the probe; returns its report when llvmpipe is sound, else skips with the finding. The skip's
+    reason starts with DEVICE_FAULT, which in CI passes only where each test's RPC twin ran and passed
+    in the same run (tests/ci_policy.py): a faulting llvmpipe cannot fail main, and cannot hide what
+    the Vulkan tests assert either (issue 33: CI once passed with all 28 skipped)."""
+    from tests.ci_policy import DEVICE_FAULT  # here: the plugin is imported by pytest_plugins, not before
+
+    report = probe(binary, model, logs)
+    if report.fault is None:
+        return report
+    pytest.skip(f"{DEVICE_FAULT} (docs/test-bed.md; their RPC twins must pass): {report.line()}")
 
 
-@pytest.fixture(scope="session")
-def vulkan_binary(llvmpipe_probe_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def vulkan_build_binary() -> Path:
     """The Vulkan llama-server, built once and cached (`moe-l2 build-llama --vulkan`), or
-    MOE_L2_VULKAN_LLAMA_SERVER. Without the packages a developer's run skips; CI (CI set) fails, so
-    a CI machine cannot skip the device path for want of a package. A machine whose llvmpipe cannot
-    run the batches the Vulkan tests send (tests/llvmpipe_probe.py) fails in CI and skips elsewhere,
-    with the probe's finding."""
+    MOE_L2_VULKAN_LLAMA_SERVER. Without the packages a developer's run skips; CI (CI set) fails, so a
+    CI machine cannot skip the device path for want of a package."""
     from moe_l2_llama import build as build_mod
-    from tests.llvmpipe_probe import llvmpipe_fault
 
     if env := os.environ.get("MOE_L2_VULKAN_LLAMA_SERVER"):
-        binary = Path(env)
-    elif missing := build_mod.missing_vulkan_packages():
+        return Path(env)
+    if missing := build_mod.missing_vulkan_packages():
         reason = f"the Vulkan build needs {', '.join(missing)} (apt-get install {build_mod.VULKAN_APT_PACKAGES})"
         if os.environ.get("CI"):
             pytest.fail(reason)
         pytest.skip(reason)
-    else:
-        binary = build_mod.build(build_mod.BuildConfig(backend="vulkan"))
+    return build_mod.build(build_mod.BuildConfig(backend="vulkan"))
+
+
+@pytest.fixture(scope="session")
+def vulkan_build() -> Path:
+    """The Vulkan build for tests that only start llama-server and read its log: they send no batch, so
+    the probe's verdict on batches does not concern them and they run wherever the build does."""
+    return vulkan_build_binary()
+
+
+@pytest.fixture(scope="session")
+def vulkan_binary(
+    vulkan_build: Path,
+    llvmpipe_probe_model: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    pytestconfig: pytest.Config,
+) -> Path:
+    """The Vulkan build for tests that compute on llvmpipe: probed first (tests/llvmpipe_probe.py). A machine
+    whose llvmpipe cannot run the batches the Vulkan tests send skips them with the finding, covered by
+    their RPC twins (tests/ci_policy.py); the probe's report is printed at the end of the run."""
+    from tests.llvmpipe_probe import probe
+
     # pytest keeps a session fixture's skip or failure, so the probe runs once however many tests ask
     logs = tmp_path_factory.mktemp("llvmpipe-probe")
-    require_sound_llvmpipe(binary, llvmpipe_probe_model, logs, probe=llvmpipe_fault, ci=bool(os.environ.get("CI")))
-    return binary
+    pytestconfig.stash[PROBE_REPORT] = "pending"
+    try:
+        report = require_sound_llvmpipe(vulkan_build, llvmpipe_probe_model, logs, probe=probe)
+    except pytest.skip.Exception as skip:
+        pytestconfig.stash[PROBE_REPORT] = str(skip.msg)
+        raise
+    pytestconfig.stash[PROBE_REPORT] = report.line()
+    return vulkan_build
+
+
+PROBE_REPORT = pytest.StashKey[str]()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    if (line := config.stash.get(PROBE_REPORT, None)) is not None:
+        terminalreporter.write_line(f"llvmpipe probe: {line}")
 
 
 # The RPC device (docs/test-bed.md, "The RPC device"): ggml's RPC backend as the device of llama-server,
@@ -218,6 +244,22 @@ EngineDevice = VulkanDevice | RpcDevice
 @pytest.fixture(scope="session")
 def vulkan_device(vulkan_binary: Path) -> VulkanDevice:
     return VulkanDevice(vulkan_binary)
+
+
+@pytest.fixture
+def device(request: pytest.FixtureRequest) -> EngineDevice:
+    """The device a parametrized test runs on, by the name of its session fixture."""
+    return request.getfixturevalue(request.param)
+
+
+# The same test on the RPC device and on llvmpipe: the RPC case is the llvmpipe case's twin, which
+# tests/ci_policy.py requires to pass where a faulting llvmpipe skips the other.
+ON_RPC_AND_LLVMPIPE = pytest.mark.parametrize(
+    "device",
+    ["rpc_device", pytest.param("vulkan_device", marks=pytest.mark.vulkan)],
+    indirect=True,
+    ids=["rpc", "vulkan"],
+)
 
 
 @pytest.fixture(scope="session")

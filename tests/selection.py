@@ -15,6 +15,7 @@ BUILD_FIXTURES = {
     "llama_binary": "llama",  # the CPU build of the patched llama-server
     "rpc_binary": "llama",  # the RPC build and its ggml-rpc-server
     "vulkan_binary": "vulkan",  # the Vulkan build, on llvmpipe
+    "vulkan_build": "vulkan",  # the same build, for tests that only start it
 }
 
 

@@ -47,6 +47,7 @@ import pytest
 
 from moe_l2_llama import build as build_mod
 from moe_l2_llama.settings import device_env
+from tests.conftest import ON_RPC_AND_LLVMPIPE, EngineDevice, RpcDevice
 
 
 def _case(type_a: str, n_mats: int, n_used: int, m: int, n: int, k: int, m_v: int = 0) -> str:
@@ -125,14 +126,20 @@ def backend_ops(server: Path) -> Path:
 
 
 def run_cases(
-    binary: Path, backend: str, cases: tuple[str, ...], *, broken: bool = False, env: dict[str, str] | None = None
+    binary: Path,
+    backend: str,
+    cases: tuple[str, ...],
+    *,
+    broken: bool = False,
+    env: dict[str, str] | None = None,
+    args: tuple[str, ...] = (),
 ) -> tuple[list[CaseRun], float]:
     """Each case in a process of its own (see the module's docstring), and the seconds they took."""
     flag = "--expert-cache-broken-remap" if broken else "--expert-cache"
     runs, started = [], time.monotonic()
     for case in cases:
         proc = subprocess.run(
-            [str(binary), "test", "-b", backend, flag, "-o", case],
+            [str(binary), "test", "-b", backend, flag, *args, "-o", case],
             capture_output=True,
             text=True,
             errors="replace",
@@ -159,10 +166,26 @@ def cpu_backend_ops(llama_binary: Path) -> Path:
     return backend_ops(llama_binary)
 
 
-@pytest.fixture(scope="module")
-def vulkan_backend_ops(vulkan_binary: Path) -> tuple[Path, dict[str, str]]:
-    """test-backend-ops of the Vulkan build, and the environment that finds llvmpipe (LP_NUM_THREADS=1 too)."""
-    return backend_ops(vulkan_binary), device_env(vulkan_binary)
+@dataclass(frozen=True)
+class DeviceOps:
+    """test-backend-ops of a device's build, and how it reaches the device."""
+
+    binary: Path
+    backend: str  # -b: the device's name in ggml
+    args: tuple[str, ...]
+    env: dict[str, str]
+
+    def run(self, cases: tuple[str, ...], *, broken: bool = False) -> tuple[list[CaseRun], float]:
+        return run_cases(self.binary, self.backend, cases, broken=broken, env=self.env, args=self.args)
+
+
+@pytest.fixture
+def device_ops(device: EngineDevice) -> DeviceOps:
+    """On llvmpipe: the environment that finds it (LP_NUM_THREADS=1 too). On the RPC device: patch 0025's
+    --rpc, which adds the ggml-rpc-server's device as RPC0, as llama-server's --rpc does."""
+    if isinstance(device, RpcDevice):
+        return DeviceOps(backend_ops(device.binary), "RPC0", ("--rpc", device.endpoint), {})
+    return DeviceOps(backend_ops(device.binary), device.device, (), device_env(device.binary))
 
 
 def test_the_subset_is_what_the_docstring_says() -> None:
@@ -199,12 +222,14 @@ def test_mul_mat_id_on_the_cpu_in_halves_of_negative_ids(cpu_backend_ops: Path) 
     assert total(runs, "cases_cpu") == len(CASES) and total(runs, "asked") == 0
 
 
-def test_mul_mat_id_on_llvmpipe_through_the_expert_cache(vulkan_backend_ops: tuple[Path, dict[str, str]]) -> None:
-    """Every case passes on the Vulkan device with the hook asked for each of its three batches: the slot
-    cases on slots every time, the others filling the full-size copy every time."""
-    binary, env = vulkan_backend_ops
-    runs, seconds = run_cases(binary, "Vulkan0", CASES, env=env)
-    print(report("Vulkan0", runs, seconds))
+@pytest.mark.llama
+@ON_RPC_AND_LLVMPIPE
+def test_mul_mat_id_on_a_device_through_the_expert_cache(device_ops: DeviceOps) -> None:
+    """Every case passes on the device (llvmpipe, or its twin the RPC device) with the hook asked for each
+    of its three batches: the slot cases on slots every time, the others filling the full-size copy every
+    time."""
+    runs, seconds = device_ops.run(CASES)
+    print(report(device_ops.backend, runs, seconds))
     failed = [r.describe() for r in runs if not r.ok]
     assert not failed, "\n".join(failed)
     for r in runs:
@@ -214,12 +239,13 @@ def test_mul_mat_id_on_llvmpipe_through_the_expert_cache(vulkan_backend_ops: tup
     assert total(runs, "copied") >= sum(r.hook["on_slots"] > 0 for r in runs)
 
 
-def test_a_broken_slot_remap_fails_on_llvmpipe(vulkan_backend_ops: tuple[Path, dict[str, str]]) -> None:
+@pytest.mark.llama
+@ON_RPC_AND_LLVMPIPE
+def test_a_broken_slot_remap_fails_on_a_device(device_ops: DeviceOps) -> None:
     """With every slot id one slot off, exactly the cases that compute on slots fail, each on its first
     batch, by far more than their error bound; those that fill the full-size copy keep their ids and pass."""
-    binary, env = vulkan_backend_ops
-    runs, seconds = run_cases(binary, "Vulkan0", CASES, broken=True, env=env)
-    print(report("Vulkan0, broken remap", runs, seconds))
+    runs, seconds = device_ops.run(CASES, broken=True)
+    print(report(f"{device_ops.backend}, broken remap", runs, seconds))
     assert all(r.run == 1 for r in runs), "\n".join(r.describe() for r in runs if r.run != 1)
     assert [r.case for r in runs if not r.ok] == list(SLOT_CASES)
     for r in runs[: len(SLOT_CASES)]:

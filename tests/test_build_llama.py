@@ -68,7 +68,7 @@ def test_the_rpc_build_is_the_cpu_build_with_ggml_rpc_and_its_server(tmp_path: P
     assert not any(
         "RPC" in f for b in ("cpu", "vulkan", "cuda") for f in build_mod.BuildConfig(backend=b).cmake_flags()
     )
-    assert rpc.targets() == ["llama-server", "ggml-rpc-server"]
+    assert rpc.targets() == ["llama-server", "ggml-rpc-server", "test-backend-ops"]  # the llvmpipe cases' twins
     assert cpu.targets() == ["llama-server", "test-backend-ops"]  # a test build's (tests/test_backend_ops.py)
     assert build_mod.rpc_server_binary(tmp_path / "bin" / "llama-server") == tmp_path / "bin" / "ggml-rpc-server"
 
@@ -383,13 +383,13 @@ def test_the_test_hooks_are_on_in_test_builds_and_off_in_images(
 
 def test_test_backend_ops_is_built_where_it_runs_and_never_in_images() -> None:
     """Upstream's test-backend-ops (patch 0025's --expert-cache, tests/test_backend_ops.py) is configured in every
-    test build and built in the CPU and Vulkan ones, where it runs; a build without the test hooks (the images'
+    test build and built in the CPU, Vulkan and RPC ones, where it runs; a build without the test hooks (the images'
     --portable) keeps upstream's tests off, its flags and its targets as they were."""
     for backend in build_mod.BACKENDS:
         test_build = build_mod.BuildConfig(backend=backend)
         image = build_mod.BuildConfig(backend=backend, native=False, test_hooks=False)
         assert "-DLLAMA_BUILD_TESTS=ON" in test_build.cmake_flags()
-        assert ("test-backend-ops" in test_build.targets()) == (backend in ("cpu", "vulkan"))
+        assert ("test-backend-ops" in test_build.targets()) == (backend in ("cpu", "vulkan", "rpc"))
         assert "-DLLAMA_BUILD_TESTS=OFF" in image.cmake_flags() and "test-backend-ops" not in image.targets()
     assert build_mod.BuildConfig(native=False, test_hooks=False).cmake_flags()[: len(build_mod.BASE_CMAKE_FLAGS)] == [
         *build_mod.BASE_CMAKE_FLAGS

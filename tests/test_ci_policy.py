@@ -52,7 +52,9 @@ why = "planted"
 )
 
 
-def session(tmp_path: Path, allowlist: str, *, ci: bool, tests: str = PLANTED) -> subprocess.CompletedProcess[str]:
+def session(
+    tmp_path: Path, allowlist: str, *args: str, ci: bool, tests: str = PLANTED
+) -> subprocess.CompletedProcess[str]:
     """pytest on the planted module with only this plugin, CI set or not."""
     (tmp_path / "test_planted.py").write_text(tests)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
@@ -67,7 +69,7 @@ def session(tmp_path: Path, allowlist: str, *, ci: bool, tests: str = PLANTED) -
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "tests.ci_policy",
          "-c", str(tmp_path / "pytest.ini"), "--rootdir", str(tmp_path), "--basetemp", str(tmp_path / "t"),
-         "--skip-allowlist", str(tmp_path / "allow.toml"), str(tmp_path / "test_planted.py")],
+         "--skip-allowlist", str(tmp_path / "allow.toml"), *args, str(tmp_path / "test_planted.py")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
 
@@ -142,6 +144,105 @@ def test_a_bad_allowlist_is_a_usage_error(tmp_path: Path, text: str, problem: st
     if problem == "Expected":  # one session is enough to see the error stop pytest, CI or not
         run = session(tmp_path, text, ci=False)
         assert run.returncode == 4 and f"skip allowlist: {path}" in run.stderr, run.stderr
+
+
+# Vulkan tests and their RPC twins (issue 42): a device-parametrized test (its `rpc_device` case is the twin)
+# and a test with an `rpc_twin` mark; the Vulkan cases skip for a device fault as tests/conftest.py's
+# fixture does when the probe finds one. TWIN_FAILS plants a failing twin; --deselect removes one.
+TWINS = textwrap.dedent(
+    """
+    import os
+    import pytest
+
+    FAULT = "llvmpipe fault (docs/test-bed.md; their RPC twins must pass): EPYC; Mesa 22.3.6; planted"
+
+    @pytest.mark.parametrize("device", ["rpc_device", pytest.param("vulkan_device", marks=pytest.mark.vulkan)])
+    @pytest.mark.parametrize("model", ["demo", "ds"])
+    def test_tokens(device, model):
+        if device == "vulkan_device":
+            pytest.skip(FAULT)
+        assert not (os.environ.get("TWIN_FAILS") and model == "ds")
+
+    def test_auto_on_rpc():
+        pass
+
+    @pytest.mark.vulkan
+    @pytest.mark.rpc_twin("test_planted.py::test_auto_on_rpc")
+    def test_auto_on_llvmpipe():
+        pytest.skip(FAULT)
+    """
+)
+TWINLESS = TWINS + textwrap.dedent(
+    """
+    @pytest.mark.vulkan
+    def test_pinned_memory_on_llvmpipe():
+        pytest.skip(FAULT)
+    """
+)
+
+
+def test_a_device_fault_passes_ci_where_every_twin_passed(tmp_path: Path) -> None:
+    run = session(tmp_path, "", ci=True, tests=TWINS)
+    assert run.returncode == 0, run.stdout
+    assert "3 passed, 3 skipped" in run.stdout
+    assert "vulkan: 3 skipped (llvmpipe fault: EPYC; Mesa 22.3.6; planted); their RPC twins: 3 passed" in run.stdout
+    for vulkan, rpc in [
+        ("test_tokens[demo-vulkan_device]", "test_tokens[demo-rpc_device]"),
+        ("test_tokens[ds-vulkan_device]", "test_tokens[ds-rpc_device]"),
+        ("test_auto_on_llvmpipe", "test_auto_on_rpc"),
+    ]:
+        assert f"  test_planted.py::{vulkan} <- twin test_planted.py::{rpc} passed" in run.stdout, run.stdout
+    assert "skips CI does not allow" not in run.stdout
+
+
+def test_a_twin_that_fails_fails_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TWIN_FAILS", "1")
+    run = session(tmp_path, "", ci=True, tests=TWINS)
+    assert run.returncode == 1, run.stdout
+    assert "their RPC twins: 2 passed, 1 not" in run.stdout
+    twin = "test_planted.py::test_tokens[ds-rpc_device]"
+    assert f"test_planted.py::test_tokens[ds-vulkan_device]: its RPC twin {twin} failed" in run.stdout
+
+
+def test_a_twin_that_did_not_run_fails_the_run_in_ci_only(tmp_path: Path) -> None:
+    removed = "--deselect=test_planted.py::test_auto_on_rpc"
+    run = session(tmp_path, "", removed, ci=True, tests=TWINS)
+    assert run.returncode == 1, run.stdout
+    assert "test_auto_on_llvmpipe: its RPC twin test_planted.py::test_auto_on_rpc did not run" in run.stdout
+    assert session(tmp_path, "", removed, ci=False, tests=TWINS).returncode == 0
+
+
+def test_a_vulkan_test_without_a_twin_cannot_be_skipped(tmp_path: Path) -> None:
+    """Not even by an allowlist entry: only a twin covers a device fault."""
+    allow = '[[allow]]\ntest = "*"\nreason = "llvmpipe fault"\nwhy = "an entry that tries to allow every fault"\n'
+    run = session(tmp_path, allow, ci=True, tests=TWINLESS)
+    assert run.returncode == 1, run.stdout
+    assert "skips CI does not allow" in run.stdout
+    assert re.search(r"test_pinned_memory_on_llvmpipe: llvmpipe fault .*\[no RPC twin", run.stdout), run.stdout
+    assert "their RPC twins: 3 passed" in run.stdout  # the others are still covered
+
+
+def test_every_vulkan_test_that_meets_the_probe_has_a_twin() -> None:
+    """The repository's pairs, as collected: a Vulkan test that the probe can skip has an RPC twin that is
+    collected too; the others (start-up only, `vulkan_build`) never meet the probe."""
+    collect = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
+    run = subprocess.run(
+        [*collect, "--show-twins", "-m", "vulkan"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    pairs = re.findall(r"^twin: (\S+) <- (\S+) \((probed|unprobed)\)$", run.stdout, re.M)
+    assert len(pairs) >= 15, run.stdout[-3000:]
+    collected = set(subprocess.run(
+        [*collect, "tests/test_vulkan.py",
+         "tests/test_backend_ops.py", "tests/test_expert_cache.py", "tests/test_expert_cache_auto.py",
+         "tests/test_expert_cache_cpu_misses.py"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    ).stdout.split())  # fmt: skip
+    for vulkan, twin, probed in pairs:
+        if probed == "probed":
+            assert twin != "None" and twin in collected, f"{vulkan}: no RPC twin collected ({twin})"
+            assert "vulkan" not in twin.rsplit("[", 1)[-1], f"{vulkan}: its twin {twin} is a Vulkan case"
+        else:
+            assert twin == "None" and vulkan.startswith("tests/test_expert_cache_copies.py::"), vulkan
 
 
 def test_the_repository_allowlist_names_tests_that_exist() -> None:

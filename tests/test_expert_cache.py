@@ -60,7 +60,7 @@ from moe_l2_llama.route_trace import from_esft_npz, write_route_trace
 from moe_l2_llama.settings import LlamaSettings, device_env, llama_server_command, llama_server_env
 from moe_l2_ops.doctor import check_expert_cache
 from moe_l2_ops.stats import OpsSettings, expert_cache_summary, parse_metrics, render_expert_cache
-from tests.conftest import EngineDevice, RpcDevice
+from tests.conftest import ON_RPC_AND_LLVMPIPE, EngineDevice, RpcDevice
 from tests.observability.test_observability import DASHBOARD, metric_names, needs_expert_cache, query_panels
 from tests.test_route_trace import ESFT_NPZ
 from tests.test_vulkan import DS_LAYERS, DS_VOCAB, PROMPTS, Model, greedy, greedy_one, serve
@@ -73,20 +73,6 @@ pytestmark = [pytest.mark.llama, pytest.mark.slow]
 SHAPE = get_shape("ds-v2-lite").reduced(DS_LAYERS, DS_VOCAB)
 N_MOE = DS_LAYERS - SHAPE.n_dense_lead
 EXPERT_BYTES = sizes(SHAPE).expert_bytes  # gate + up + down of one expert: one slot
-
-
-@pytest.fixture
-def device(request: pytest.FixtureRequest) -> EngineDevice:
-    """The device a parametrized test runs on, by the name of its session fixture."""
-    return request.getfixturevalue(request.param)
-
-
-ON_RPC_AND_LLVMPIPE = pytest.mark.parametrize(
-    "device",
-    ["rpc_device", pytest.param("vulkan_device", marks=pytest.mark.vulkan)],
-    indirect=True,
-    ids=["rpc", "vulkan"],
-)
 
 
 @contextmanager

@@ -177,6 +177,10 @@ def test_the_engine_s_hit_prior_is_the_model_s() -> None:
 
 @pytest.mark.slow
 @pytest.mark.vulkan
+@pytest.mark.rpc_twin(
+    "tests/test_expert_cache_auto.py::"
+    "test_auto_places_as_the_model_chooses_and_the_tokens_are_the_cache_off_run_s[90pct-layers-and-cache]"
+)
 def test_auto_on_llvmpipe_layers_and_cache_give_the_cache_off_tokens(
     vulkan_device: VulkanDevice, models: dict[str, Model], tmp_path: Path
 ) -> None:

@@ -15,7 +15,10 @@ Which device, and why it proves the claim:
   speed of pinned chunks is the GPU check's to measure (`make bench-gpu`).
 - The choice of load mode needs a device with a pinned host buffer: **llvmpipe** (Vulkan's host
   memory), start-up only (no prompt: the choice is made before the model loads, and lavapipe faults
-  on some batches on some machines, tests/llvmpipe_probe.py).
+  on some batches on some machines, tests/llvmpipe_probe.py). They take the unprobed build
+  (`vulkan_build`): the probe judges the batches the other tests send, these send none, so they run on
+  every machine and need no RPC twin, which could not hold their assertion (the RPC device has no
+  pinned host memory).
 """
 
 from __future__ import annotations
@@ -294,18 +297,18 @@ def started_log(binary: Path, model: Path, s: LlamaSettings, logs: Path, env: di
 
 @pytest.mark.vulkan
 def test_the_experts_go_to_pinned_memory_when_the_model_fits(
-    vulkan_binary: Path, models: dict[str, Model], tmp_path: Path
+    vulkan_build: Path, models: dict[str, Model], tmp_path: Path
 ) -> None:
     model = models["ds-v2-lite"]
-    log_text = started_log(vulkan_binary, model.path, vulkan_cache_settings(16), tmp_path)
+    log_text = started_log(vulkan_build, model.path, vulkan_cache_settings(16), tmp_path)
     assert "expert cache: host experts in Vulkan0 pinned memory (load mode none)" in log_text
     assert f"misses are copied from pinned host memory ({N_MOE * EXPERT_TENSORS} of" in log_text
 
 
 @pytest.mark.vulkan
-def test_a_load_mode_the_user_chose_is_kept(vulkan_binary: Path, models: dict[str, Model], tmp_path: Path) -> None:
+def test_a_load_mode_the_user_chose_is_kept(vulkan_build: Path, models: dict[str, Model], tmp_path: Path) -> None:
     model = models["ds-v2-lite"]
-    log_text = started_log(vulkan_binary, model.path, vulkan_cache_settings(16, "--load-mode mmap"), tmp_path)
+    log_text = started_log(vulkan_build, model.path, vulkan_cache_settings(16, "--load-mode mmap"), tmp_path)
     assert "host experts in" not in log_text
     assert "misses are copied from pageable host memory" in log_text
     assert "through a staging ring of 4 x 4.00 MiB of pinned memory" in log_text
@@ -343,7 +346,7 @@ def memory_cgroup() -> Iterator[MemoryGroup]:
 
 @pytest.mark.vulkan
 def test_a_machine_short_of_memory_keeps_the_mapping_and_stages_the_misses(
-    vulkan_binary: Path, models: dict[str, Model], memory_cgroup: MemoryGroup, tmp_path: Path
+    vulkan_build: Path, models: dict[str, Model], memory_cgroup: MemoryGroup, tmp_path: Path
 ) -> None:
     """Under a memory limit that the model and the margin do not fit (a container's, here a cgroup's),
     the experts stay mapped and their misses go through the pinned ring; the line says why."""
@@ -353,7 +356,7 @@ def test_a_machine_short_of_memory_keeps_the_mapping_and_stages_the_misses(
     s = vulkan_cache_settings(16)
     # the server joins the group before it execs (the supervisor starts the argv given)
     wrapper = tmp_path / "in-cgroup.sh"
-    wrapper.write_text(f'#!/bin/sh\necho $$ > {memory_cgroup.path}/cgroup.procs\nexec {vulkan_binary} "$@"\n')
+    wrapper.write_text(f'#!/bin/sh\necho $$ > {memory_cgroup.path}/cgroup.procs\nexec {vulkan_build} "$@"\n')
     wrapper.chmod(0o755)
     # the wrapper has no build-info.json beside it, from which the service would set the Vulkan device's env
     log_text = started_log(wrapper, model.path, s, tmp_path, SOFTWARE_VULKAN_ENV)

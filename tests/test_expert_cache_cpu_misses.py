@@ -29,11 +29,10 @@ from moe_l2_cache.policy.replay import read_access_log, replay_accesses
 from moe_l2_contracts.schemas.llama import ExpertCacheProfile
 from moe_l2_llama.route_trace import from_esft_npz, write_route_trace
 from moe_l2_llama.settings import LlamaSettings, llama_server_command
-from tests.conftest import EngineDevice, RpcDevice
+from tests.conftest import ON_RPC_AND_LLVMPIPE, EngineDevice, RpcDevice
 from tests.test_expert_cache import (
     N_MOE,
     N_PREDICT,
-    ON_RPC_AND_LLVMPIPE,
     SHAPE,
     TOKEN,
     both_at_once,
@@ -45,7 +44,6 @@ from tests.test_expert_cache import (
     serve_on,
     two_domain_profiles,
 )
-from tests.test_expert_cache import device as device  # the parametrized device fixture
 from tests.test_route_trace import ESFT_NPZ
 from tests.test_vulkan import PROMPTS, Model, greedy, greedy_one
 from tests.test_vulkan import models as models  # the module's fixture

@@ -2,8 +2,9 @@
 
 Every test here runs on llvmpipe, because what it claims is about the Vulkan backend itself: its
 kernels, its buffers and the scheduler's splits and copies between the CPU and a Vulkan device give the
-CPU build's tokens. (The expert cache's correctness tests run on the RPC device instead,
-tests/test_expert_cache.py: they prove the cache, which any device runs, and need no Mesa.)
+CPU build's tokens; and each again on the RPC device, the llvmpipe case's twin (tests/ci_policy.py).
+(The expert cache's correctness tests run on the RPC device first, tests/test_expert_cache.py: they
+prove the cache, which any device runs, and need no Mesa.)
 
 The device paths an expert cache sits on, run on a machine without a GPU: for each placement the
 Vulkan build's greedy tokens must equal the CPU build's, on the planted demo model (F16) and on a
@@ -12,13 +13,13 @@ reduced `ds-v2-lite` shape (Q4_K/Q4_0 experts, Q8_0 elsewhere, a dense first lay
 (c) `-ngl 99 --n-cpu-moe N`, N half the layers: the experts of the first N layers on the CPU;
 (d) (b) with GGML_OP_OFFLOAD_MIN_BATCH=1: the scheduler copies the used experts to the device each
     step and multiplies them there (the host-buffer path).
-Each server's log must show the llvmpipe device holding weights, else the Vulkan build would have
-fallen back to the CPU without a word and the comparison would prove nothing.
+Each server's log must show the device holding weights, else the build would have fallen back to the
+CPU without a word and the comparison would prove nothing.
 
 The prompts are 9 and 25 tokens on both models (checked here): lavapipe faults on MUL_MAT_ID batches of 3 to
 8 rows on some machines (tests/llvmpipe_probe.py), which (c) and (d) would send to the device with a
 shorter prompt; decode steps are one row. The probe sends the same prompts, so a machine where it
-fails cannot run these tests, and CI fails rather than skip them.
+fails cannot run the llvmpipe cases: they skip, and CI passes only if their RPC twins passed.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from moe_l2_llama import build as build_mod
 from moe_l2_llama.settings import LlamaSettings
 from moe_l2_ops.llama_service import llama_service_spec
 from moe_l2_ops.supervisor import Supervisor, free_port
+from tests.conftest import EngineDevice
 from tests.llvmpipe_probe import FAULTING_ROWS, VULKAN_PROMPTS, mesa_version
 
 DS_LAYERS = 4  # layer 0 dense, MoE layers 1-3: --n-cpu-moe 2 splits the MoE layers 1 / 2
@@ -138,7 +140,7 @@ def cpu_reference(llama_binary: Path, model: Model, logs: Path) -> list[list[int
 
 
 def placement(case: str, n_layer: int) -> tuple[LlamaSettings, dict[str, str]]:
-    # -lv 4: the loader's lines (device, offloaded layers, buffer sizes) that assert_on_llvmpipe reads
+    # -lv 4: the loader's lines (device, offloaded layers, buffer sizes) that the device's assert_holds_the_model reads
     if case == "cpu-moe":
         return settings(gpu_layers=99, extra_args="--cpu-moe -lv 4"), {}
     if case == "n-cpu-moe-half":
@@ -147,18 +149,11 @@ def placement(case: str, n_layer: int) -> tuple[LlamaSettings, dict[str, str]]:
     return settings(gpu_layers=99, extra_args="--cpu-moe -lv 4"), {"GGML_OP_OFFLOAD_MIN_BATCH": "1"}
 
 
-def assert_on_llvmpipe(log_text: str) -> None:
-    assert "llvmpipe" in log_text, "ggml-vulkan did not find the llvmpipe device"
-    offloaded = re.search(r"offloaded (\d+)/(\d+) layers to GPU", log_text)
-    assert offloaded and int(offloaded[1]) == int(offloaded[2]) > 0, "not every layer went to the device"
-    assert re.search(r"Vulkan0 model buffer size = +[1-9]", log_text), "the device holds no weights"
-
-
 # Debian 12's Mesa (22.3) llvmpipe segfaults in one of its own worker threads (gdb: every frame in
 # libvulkan_lvp.so) on the first step of the F16 demo model with the used experts copied to the
 # device; the quantized ds-v2-lite shape runs the same path fine. Strict, and only on the Mesa release
 # it was seen on: a fixed 22.3 shows here as a failure to remove the mark, and on any other Mesa the
-# test runs as every other does.
+# test runs as every other does. The RPC device runs the same case as any other.
 _MESA = mesa_version()
 _LLVMPIPE_SEGFAULT = pytest.mark.xfail(
     _MESA is not None and _MESA[:2] == (22, 3),
@@ -166,27 +161,34 @@ _LLVMPIPE_SEGFAULT = pytest.mark.xfail(
     raises=httpx.RemoteProtocolError,
     strict=True,
 )
+MODELS = ("demo", "ds-v2-lite")
+PLACEMENTS = [
+    (case, model_name) for case in ("cpu-moe", "n-cpu-moe-half", "cpu-moe-offload-min-batch-1") for model_name in MODELS
+]
+_SEGFAULTS = ("vulkan_device", "cpu-moe-offload-min-batch-1", "demo")
+# Each case on llvmpipe and on the RPC device, which is its twin (tests/ci_policy.py): where llvmpipe faults
+# and the Vulkan case skips, the same assertion on the same model still runs on the RPC build's device.
 CASES = [
-    pytest.param("cpu-moe", "demo", id="cpu-moe-demo"),
-    pytest.param("cpu-moe", "ds-v2-lite", id="cpu-moe-ds-v2-lite"),
-    pytest.param("n-cpu-moe-half", "demo", id="n-cpu-moe-half-demo"),
-    pytest.param("n-cpu-moe-half", "ds-v2-lite", id="n-cpu-moe-half-ds-v2-lite"),
     pytest.param(
-        "cpu-moe-offload-min-batch-1",
-        "demo",
-        id="cpu-moe-offload-min-batch-1-demo",
-        marks=_LLVMPIPE_SEGFAULT,
-    ),
-    pytest.param("cpu-moe-offload-min-batch-1", "ds-v2-lite", id="cpu-moe-offload-min-batch-1-ds-v2-lite"),
+        device,
+        case,
+        model_name,
+        id=f"{case}-{model_name}-{device.removesuffix('_device')}",
+        marks=[
+            *([pytest.mark.vulkan] if device == "vulkan_device" else []),
+            *([_LLVMPIPE_SEGFAULT] if (device, case, model_name) == _SEGFAULTS else []),
+        ],
+    )
+    for case, model_name in PLACEMENTS
+    for device in ("rpc_device", "vulkan_device")
 ]
 
 
 @pytest.mark.llama
-@pytest.mark.vulkan
 @pytest.mark.slow
-@pytest.mark.parametrize(("case", "model_name"), CASES)
+@pytest.mark.parametrize(("device", "case", "model_name"), CASES, indirect=["device"])
 def test_greedy_tokens_equal_the_cpu_build(
-    vulkan_binary: Path,
+    device: EngineDevice,
     llama_binary: Path,
     models: dict[str, Model],
     model_name: str,
@@ -195,11 +197,11 @@ def test_greedy_tokens_equal_the_cpu_build(
 ) -> None:
     model = models[model_name]
     expected = cpu_reference(llama_binary, model, tmp_path)
-    vk_settings, env = placement(case, model.n_layer)
-    with serve(vulkan_binary, model.path, vk_settings, env, tmp_path) as (client, log_path):
+    dev_settings, env = placement(case, model.n_layer)
+    with serve(device.binary, model.path, device.on_device(dev_settings), env, tmp_path) as (client, log_path):
         got = greedy(client, model.n_predict)
         log_text = log_path.read_text(errors="replace")
-    assert_on_llvmpipe(log_text)
+    device.assert_holds_the_model(log_text)
     # the experts kept on the CPU (all, or the first N layers') are in a CPU buffer
     assert re.search(r"CPU(_Mapped|_REPACK)? model buffer size = +[1-9]", log_text)
     assert got == expected

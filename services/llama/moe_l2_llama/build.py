@@ -2,8 +2,8 @@
 
 The source is the llama.cpp tree vendored in the PyPI sdist of llama-cpp-python (a registry that
 both developer machines and image builds can reach), verified by its sha256. The project's patch
-series is applied in order on a clean copy, then only the `llama-server` target is built (and in the CPU and
-Vulkan test builds upstream's `test-backend-ops`, which tests/test_backend_ops.py runs). The
+series is applied in order on a clean copy, then only the `llama-server` target is built (and in the CPU,
+Vulkan and RPC test builds upstream's `test-backend-ops`, which tests/test_backend_ops.py runs). The
 result is cached under a key made of the source hash, the patch hashes and the build flags, so a
 second call returns at once.
 
@@ -53,10 +53,11 @@ CUDA_ARCHITECTURES = "61;75;86;89;90;120"
 BACKENDS = ("cpu", "vulkan", "cuda", "rpc")
 RPC_SERVER = "ggml-rpc-server"
 # upstream's tests/test-backend-ops, with patch 0025's --expert-cache (tests/test_backend_ops.py runs it): kept next
-# to llama-server in the test builds of the backends it is run on, the CPU and Vulkan (llvmpipe) ones; the RPC and
-# CUDA builds leave it out (their tests and the GPU check do not run it) and save its compile (~1 min on 2 cores)
+# to llama-server in the test builds of the backends it is run on, the CPU, Vulkan (llvmpipe) and RPC ones (the RPC
+# device's cases are the llvmpipe ones' twins, tests/ci_policy.py); the CUDA build leaves it out (its tests and the
+# GPU check do not run it) and saves its compile (~1 min on 2 cores)
 BACKEND_OPS = "test-backend-ops"
-BACKEND_OPS_BACKENDS = ("cpu", "vulkan")
+BACKEND_OPS_BACKENDS = ("cpu", "vulkan", "rpc")
 CCACHE_MAX_SIZE = "5G"
 
 # Offline: no web UI download, no TLS, nothing but the server.
