@@ -166,9 +166,12 @@ def vulkan_binary(
 
     # pytest keeps a session fixture's skip or failure, so the probe runs once however many tests ask
     logs = tmp_path_factory.mktemp("llvmpipe-probe")
+    # MOE_L2_LLVMPIPE_PROBE_SERVER: the server the probe runs instead of the build, to rehearse the skip path
+    # with a stand-in that crashes as lavapipe does (docs/test-bed.md) while the other tests keep the build
+    probed = Path(os.environ.get("MOE_L2_LLVMPIPE_PROBE_SERVER") or vulkan_build)
     pytestconfig.stash[PROBE_REPORT] = "pending"
     try:
-        report = require_sound_llvmpipe(vulkan_build, llvmpipe_probe_model, logs, probe=probe)
+        report = require_sound_llvmpipe(probed, llvmpipe_probe_model, logs, probe=probe)
     except pytest.skip.Exception as skip:
         pytestconfig.stash[PROBE_REPORT] = str(skip.msg)
         raise
