@@ -44,6 +44,7 @@ AREAS: tuple[tuple[str, str], ...] = (
     ("tests/test_llvmpipe_probe.py", "engine"),
     ("tests/test_build_llama.py", "engine"),
     ("tests/test_backend_ops.py", "engine"),
+    ("tests/test_llama_archs.py", "engine"),
     ("tests/test_bump_llama.py", "engine"),
     ("tests/test_cuda_toolchain.py", "engine"),
     ("tests/test_source_archive.py", "engine"),

@@ -68,7 +68,8 @@ def test_the_rpc_build_is_the_cpu_build_with_ggml_rpc_and_its_server(tmp_path: P
     assert not any(
         "RPC" in f for b in ("cpu", "vulkan", "cuda") for f in build_mod.BuildConfig(backend=b).cmake_flags()
     )
-    assert rpc.targets() == ["llama-server", "ggml-rpc-server", "test-backend-ops"]  # the llvmpipe cases' twins
+    # test-backend-ops: the llvmpipe cases' twins; test-llama-archs: every architecture's random model
+    assert rpc.targets() == ["llama-server", "ggml-rpc-server", "test-backend-ops", "test-llama-archs"]
     assert cpu.targets() == ["llama-server", "test-backend-ops"]  # a test build's (tests/test_backend_ops.py)
     assert build_mod.rpc_server_binary(tmp_path / "bin" / "llama-server") == tmp_path / "bin" / "ggml-rpc-server"
 
@@ -252,6 +253,7 @@ SERIES = [
     "0023-server-moe-transitions.patch",
     "0024-route-trace.patch",
     "0025-test-backend-ops-expert-cache.patch",
+    "0026-test-llama-archs-experts.patch",
 ]
 
 
@@ -390,7 +392,9 @@ def test_test_backend_ops_is_built_where_it_runs_and_never_in_images() -> None:
         image = build_mod.BuildConfig(backend=backend, native=False, test_hooks=False)
         assert "-DLLAMA_BUILD_TESTS=ON" in test_build.cmake_flags()
         assert ("test-backend-ops" in test_build.targets()) == (backend in ("cpu", "vulkan", "rpc"))
+        assert ("test-llama-archs" in test_build.targets()) == (backend == "rpc")
         assert "-DLLAMA_BUILD_TESTS=OFF" in image.cmake_flags() and "test-backend-ops" not in image.targets()
+        assert "test-llama-archs" not in image.targets()
     assert build_mod.BuildConfig(native=False, test_hooks=False).cmake_flags()[: len(build_mod.BASE_CMAKE_FLAGS)] == [
         *build_mod.BASE_CMAKE_FLAGS
     ]

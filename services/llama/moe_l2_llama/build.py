@@ -58,6 +58,10 @@ RPC_SERVER = "ggml-rpc-server"
 # GPU check do not run it) and saves its compile (~1 min on 2 cores)
 BACKEND_OPS = "test-backend-ops"
 BACKEND_OPS_BACKENDS = ("cpu", "vulkan", "rpc")
+# upstream's tests/test-llama-archs, with patch 0026's --n-expert/--n-expert-used: it writes the random models of
+# every architecture that tests/test_llama_archs.py runs through the expert cache, on the RPC device
+LLAMA_ARCHS = "test-llama-archs"
+LLAMA_ARCHS_BACKENDS = ("rpc",)
 CCACHE_MAX_SIZE = "5G"
 
 # Offline: no web UI download, no TLS, nothing but the server.
@@ -116,6 +120,8 @@ class BuildConfig:
         targets = ["llama-server", RPC_SERVER] if self.backend == "rpc" else ["llama-server"]
         if self.test_hooks and self.backend in BACKEND_OPS_BACKENDS:
             targets.append(BACKEND_OPS)
+        if self.test_hooks and self.backend in LLAMA_ARCHS_BACKENDS:
+            targets.append(LLAMA_ARCHS)
         return targets
 
 
