@@ -167,7 +167,22 @@ def twin_of(item: pytest.Item, by_name: dict[tuple[str, str], list[pytest.Item]]
         return None
     wanted = {k: TWIN_DEVICE[1] if v == TWIN_DEVICE[0] else v for k, v in params.items()}
     key = (item.nodeid.split("::", 1)[0], getattr(item, "originalname", item.name))
-    return next((other.nodeid for other in by_name.get(key, []) if other.callspec.params == wanted), None)  # type: ignore[attr-defined]
+    found = next((other.nodeid for other in by_name.get(key, []) if other.callspec.params == wanted), None)  # type: ignore[attr-defined]
+    return found or _twin_by_id(item.nodeid)
+
+
+def _twin_by_id(nodeid: str) -> str | None:
+    """The twin's node id where it was not collected (a run of the Vulkan test's node id alone): its id with
+    the device's part of the parameter id swapped, `vulkan` for `rpc` (the repository's ids), or
+    `vulkan_device` for `rpc_device` (pytest's own)."""
+    head, bracket, ids = nodeid.partition("[")
+    if not bracket:
+        return None
+    swap = {"vulkan": "rpc", TWIN_DEVICE[0]: TWIN_DEVICE[1]}
+    parts = ids.removesuffix("]").split("-")
+    if not any(part in swap for part in parts):
+        return None
+    return f"{head}[{'-'.join(swap.get(part, part) for part in parts)}]"
 
 
 @dataclass(eq=False)  # a plugin object must be hashable

@@ -88,7 +88,13 @@ def test_rpc_is_one_of_the_backends_the_cli_builds(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(build_mod, "build", fake_build)
     assert build_mod.main(["--rpc", "--out", str(tmp_path / "out")]) == 0
     assert [c.backend for c in built] == ["rpc"]
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["ggml-rpc-server", "llama-server"]
+    # a test build's RPC targets: the llvmpipe cases' twins (test-backend-ops), every architecture's model
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "ggml-rpc-server",
+        "llama-server",
+        "test-backend-ops",
+        "test-llama-archs",
+    ]
     with pytest.raises(SystemExit):
         build_mod.parse_args(["--rpc", "--vulkan"])  # one backend per build
 
