@@ -188,7 +188,7 @@ def test_auto_on_llvmpipe_layers_and_cache_give_the_cache_off_tokens(
     whole on the device, the third behind the cache, its misses split with the CPU; the greedy tokens
     are the cache-off run's of the same device (whose experts ggml-vulkan computes from its copies)."""
     model = models["ds-v2-lite"]
-    expected = cache_off_reference(vulkan_device, model, tmp_path)  # type: ignore[arg-type]
+    expected = cache_off_reference(vulkan_device, model, tmp_path)
     budget = str(int(0.9 * N_MOE * LAYER))
     # llvmpipe reports a device of 2 GiB: without --fit-target's 1 GiB margin the 840 MB budget fits beside the rest
     s = auto(f"auto:{budget}")
