@@ -179,7 +179,9 @@ def build_deepseek2(tmp: Path) -> Built:
 
 
 def build_gpt_oss(tmp: Path) -> Built:
-    """Fused gate+up expert tensor with expert biases, MXFP4 weights, F32 biases."""
+    """gpt-oss as its converter writes it (llama.cpp's convert_hf_to_gguf splits the checkpoint's gate_up_proj):
+    separate gate, up and down expert tensors in MXFP4, each with its F32 expert biases. (Issue 43, D7: this
+    fixture used to fuse gate and up, which no gpt-oss file has; the fused layout is build_gate_up's.)"""
     n_embd, n_ff, n_expert = 64, 32, 4
     m = _Model("gpt-oss", n_layer=2, n_expert=n_expert, n_used=2, seed=5)
     m.kv.append(lambda w: w.add_expert_feed_forward_length(n_ff))
@@ -190,16 +192,32 @@ def build_gpt_oss(tmp: Path) -> Built:
         p = f"blk.{layer}."
         m.add(p + "ffn_gate_inp.weight", m.f32(n_expert, n_embd))
         m.add(p + "ffn_gate_inp.bias", m.f32(n_expert))
-        built.expert_tensors[p + "ffn_gate_up_exps.weight"] = m.add_quant(
-            p + "ffn_gate_up_exps.weight", m.f32(n_expert, 2 * n_ff, n_embd), Q.MXFP4
+        for part, rows, cols in (("gate", n_ff, n_embd), ("up", n_ff, n_embd), ("down", n_embd, n_ff)):
+            name = f"{p}ffn_{part}_exps"
+            built.expert_tensors[name + ".weight"] = m.add_quant(name + ".weight", m.f32(n_expert, rows, cols), Q.MXFP4)
+            built.expert_tensors[name + ".bias"] = m.add(name + ".bias", m.f32(n_expert, rows))
+    built.files = m.write(built.path)
+    return built
+
+
+def build_gate_up(tmp: Path) -> Built:
+    """A fused gate+up expert tensor (ffn_gate_up_exps, as qwen3next's and newer deepseek2 conversions write
+    it) beside the down one, F16, no biases."""
+    n_embd, n_ff, n_expert = 64, 32, 4
+    m = _Model("qwen3next", n_layer=2, n_expert=n_expert, n_used=2, seed=9)
+    m.kv.append(lambda w: w.add_expert_feed_forward_length(n_ff))
+    built = Built(tmp / "gate-up.gguf", "qwen3next", 2, n_expert, 2, [0, 1])
+    _common(m, n_embd)
+    for layer in range(2):
+        _attn(m, layer, n_embd)
+        p = f"blk.{layer}."
+        m.add(p + "ffn_gate_inp.weight", m.f32(n_expert, n_embd))
+        built.expert_tensors[p + "ffn_gate_up_exps.weight"] = m.add(
+            p + "ffn_gate_up_exps.weight", m.f32(n_expert, 2 * n_ff, n_embd).astype(np.float16)
         )
-        built.expert_tensors[p + "ffn_gate_up_exps.bias"] = m.add(
-            p + "ffn_gate_up_exps.bias", m.f32(n_expert, 2 * n_ff)
+        built.expert_tensors[p + "ffn_down_exps.weight"] = m.add(
+            p + "ffn_down_exps.weight", m.f32(n_expert, n_embd, n_ff).astype(np.float16)
         )
-        built.expert_tensors[p + "ffn_down_exps.weight"] = m.add_quant(
-            p + "ffn_down_exps.weight", m.f32(n_expert, n_embd, n_ff), Q.MXFP4
-        )
-        built.expert_tensors[p + "ffn_down_exps.bias"] = m.add(p + "ffn_down_exps.bias", m.f32(n_expert, n_embd))
     built.files = m.write(built.path)
     return built
 
@@ -261,6 +279,7 @@ SHAPES: dict[str, Callable[[Path], Built]] = {
     "qwen3moe": build_qwen3moe,
     "deepseek2": build_deepseek2,
     "gpt-oss": build_gpt_oss,
+    "gate-up": build_gate_up,
     "quantized": build_quantized,
     "split3": build_split,
 }

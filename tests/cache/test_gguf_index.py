@@ -88,7 +88,9 @@ def test_quantized_types_are_reported(models: dict[str, Built]) -> None:
     assert load_index(models["quantized"].path).quant_types == ("Q4_0", "Q4_K", "Q8_0")
     assert load_index(models["gpt-oss"].path).quant_types == ("F32", "MXFP4")
     kinds = {t.kind + "." + t.part for t in load_index(models["gpt-oss"].path).layers[0].tensors}
-    assert kinds == {"gate_up.weight", "gate_up.bias", "down.weight", "down.bias"}
+    assert kinds == {"gate.weight", "gate.bias", "up.weight", "up.bias", "down.weight", "down.bias"}
+    fused = {t.kind + "." + t.part for t in load_index(models["gate-up"].path).layers[0].tensors}
+    assert fused == {"gate_up.weight", "down.weight"}
 
 
 def test_model_id_is_stable_and_distinct(models: dict[str, Built]) -> None:
