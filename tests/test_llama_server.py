@@ -594,9 +594,12 @@ def test_blocking_client_that_leaves_is_noticed_under_traffic(start_custom: Call
     about a second (HTTP_POLLING_SECONDS), also while other results keep arriving. Here the traffic is a
     /metrics scrape every 0.25 s (each one a task whose result wakes every waiting HTTP thread): stock
     llama-server restarted its one-second wait at every such wake-up, never looked at the connection,
-    and generated all 4,000 tokens for nobody."""
-    tokens = 4000
-    server = start_custom("llama-blocking-leaves", ctx_size=2 * 4096)
+    and generated all of its tokens for nobody."""
+    # 8,000 tokens: this machine's demo model generates about 1,000 a second (2026-12-07: 1,042 in the 1.1 s
+    # between the request's start and its slot's release), so an uncancelled request runs for seconds after
+    # the client's poll notices it; at 4,000 the margin was one poll, and a fast machine failed the bound
+    tokens = 8000
+    server = start_custom("llama-blocking-leaves", ctx_size=4 * 4096)
     before, _ = _busy(server)
     scraping = threading.Event()
     scraping.set()
@@ -632,7 +635,7 @@ def test_blocking_client_that_leaves_is_noticed_under_traffic(start_custom: Call
     print(f"client gone: slot released after {stopped_after:.2f} s, {generated:.0f} of {tokens} tokens generated")
     # uncancelled it would have generated all of them; noticed, it stops within a poll or two (the bound
     # is generous for a loaded 2-core machine: the poll is one second)
-    assert generated < tokens / 4, generated
+    assert generated < tokens / 2, generated
     assert stopped_after < 5, stopped_after
     log = server.log_path.read_text()
     assert "cancel task" in log, "llama did not cancel the task of the client that left"
