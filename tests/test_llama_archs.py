@@ -21,8 +21,7 @@ import math
 import os
 import re
 import subprocess
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,9 +31,9 @@ import pytest
 
 from moe_l2_llama.build import LLAMA_ARCHS
 from moe_l2_llama.settings import LlamaSettings
-from moe_l2_ops.llama_service import llama_service_spec
-from moe_l2_ops.supervisor import Supervisor, free_port
+from moe_l2_ops.supervisor import free_port
 from tests.conftest import RpcDevice
+from tests.test_vulkan import serve as serve_binary
 
 pytestmark = [pytest.mark.llama, pytest.mark.slow]
 
@@ -139,18 +138,11 @@ def mechanism_settings(mechanism: str, model: ArchModel) -> LlamaSettings:
     return settings(MECHANISMS[mechanism], budget=str(model.budget(SLOTS)))
 
 
-@contextmanager
 def serve(
     device: RpcDevice, model: Path, s: LlamaSettings, logs: Path, name: str
-) -> Iterator[tuple[httpx.Client, Path]]:
-    supervisor = Supervisor(logs)
-    spec = llama_service_spec(name, device.binary, model, device.on_device(s))
-    try:
-        running = supervisor.start(spec)
-        with httpx.Client(base_url=spec.url, timeout=300) as client:
-            yield client, running.log_path
-    finally:
-        supervisor.stop()
+) -> AbstractContextManager[tuple[httpx.Client, Path]]:
+    """The device's build on the model, placed on the device; a log per run (the reference's is its own)."""
+    return serve_binary(device.binary, model, device.on_device(s), {}, logs, name)
 
 
 @dataclass(frozen=True)

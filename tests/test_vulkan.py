@@ -76,10 +76,11 @@ def models(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 @contextmanager
 def serve(
-    binary: Path, model: Path, settings: LlamaSettings, env: dict[str, str], logs: Path
+    binary: Path, model: Path, settings: LlamaSettings, env: dict[str, str], logs: Path, name: str | None = None
 ) -> Iterator[tuple[httpx.Client, Path]]:
+    """llama-server on the model, its log named `name` (the model's stem by default), stopped afterwards."""
     supervisor = Supervisor(logs)
-    spec = llama_service_spec(model.stem, binary, model, settings)
+    spec = llama_service_spec(name or model.stem, binary, model, settings)
     spec = dataclasses.replace(spec, env={**spec.env, **env})
     try:
         running = supervisor.start(spec)
