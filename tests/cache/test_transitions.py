@@ -66,7 +66,7 @@ def test_the_stored_counts_give_the_studys_fit_exactly(index: ExpertIndex, redis
         assert sorted(counts) == pair_layers(index.layers)
         for layer, block in counts.items():
             assert np.array_equal(block, transition_counts(ids, index.n_expert)[layer])  # not decayed
-        table = cache_transitions(counts, index.moe_layers, index.n_expert_used)
+        table = cache_transitions(counts, index.moe_layers, index.n_expert_used, index.moe_layers)
         fitted = fit_profile(ids, ["math"] * len(ids), index.n_expert).transitions
         assert table is not None and fitted is not None
         assert np.array_equal(table, fitted)
@@ -79,18 +79,30 @@ def test_the_stored_counts_give_the_studys_fit_exactly(index: ExpertIndex, redis
     asyncio.run(run())
 
 
-def test_a_table_covers_only_adjacent_cached_layers() -> None:
+def test_a_table_covers_only_cached_layers_with_no_moe_layer_between() -> None:
     block = np.zeros((4, 4))
     block[0, 1], block[0, 2], block[3, 3] = 3, 1, 2
     counts = {1: block, 2: block * 2}
-    # cached layers 1, 2 and 4: the pair (1, 2) has a table, (2, 4) are not adjacent and stay 0
-    table = cache_transitions(counts, [1, 2, 4], top_k=2)
+    moe = [1, 2, 3, 4]
+    # cached layers 1, 2 and 4: the pair (1, 2) has a table; MoE layer 3 (on the device) is between 2 and 4
+    table = cache_transitions(counts, [1, 2, 4], top_k=2, moe_layers=moe)
     assert table is not None and table.shape == (2, 4, 4)
     assert table[0][0].tolist() == [0.0, 1.5, 0.5, 0.0] and table[0][3].tolist() == [0.0, 0.0, 0.0, 2.0]
     assert not table[1].any()
-    assert cache_transitions(counts, [2, 4], top_k=2) is None  # no adjacent pair: no table
-    assert cache_transitions(counts, [1], top_k=2) is None  # one layer: nothing to predict
-    assert cache_transitions({}, [1, 2], top_k=2) is None
+    assert cache_transitions(counts, [2, 4], top_k=2, moe_layers=moe) is None  # no pair of next layers: no table
+    assert cache_transitions(counts, [1], top_k=2, moe_layers=moe) is None  # one layer: nothing to predict
+    assert cache_transitions({}, [1, 2], top_k=2, moe_layers=moe) is None
+
+
+def test_interleaved_moe_pairs_each_moe_layer_with_the_next_one() -> None:
+    """llama4 routes at every second layer: pair l is (l, l+2), counted by llama (patch 0023) and kept (D6:
+    only (l, l+1) was, so an interleaved model had no transitions)."""
+    block = np.zeros((4, 4))
+    block[1, 2] = 4
+    moe = [1, 3, 5]
+    assert pair_layers(moe) == [1, 3]
+    table = cache_transitions({1: block, 3: block}, moe, top_k=1, moe_layers=moe)
+    assert table is not None and table.shape == (2, 4, 4) and table[0][1][2] == table[1][1][2] == 1.0
 
 
 @pytest.mark.parametrize(

@@ -142,7 +142,8 @@ class EngineCacheFeeder:
 
     async def _transitions(self, domain: str, shape: ExpertCacheShape) -> NDArray | None:
         counts = await self.flywheel.transition_counts(domain)
-        return cache_transitions(counts, shape.layers, self.flywheel.index.n_expert_used)
+        index = self.flywheel.index
+        return cache_transitions(counts, shape.layers, index.n_expert_used, index.moe_layers)
 
     def _failed(self, reason: str, detail: str = "") -> int:
         self.counters.errors += 1

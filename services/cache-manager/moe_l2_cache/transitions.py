@@ -1,11 +1,13 @@
 """Cross-layer transitions: which expert follows which at the next layer, per domain, learned from llama.
 
 llama-server with LLAMA_MOE_TRANSITIONS (patch 0023) counts, per domain tag, every pair (expert a at
-layer l, expert b at layer l+1) of a token's top-k selections, and hands the counts over with each
-routing snapshot. The flywheel adds them to Redis (`moe:{model}:transitions:{domain}:{l}`, field
-"a:b"), and the engine-cache feeder turns them into the prefetch tables of llama's expert cache:
-P(b at l+1 | a at l) = count(a, b) x k / sum over b of count(a, b), what `fit_profile` computes from a
-per-token trace (each a at l co-occurs with k experts at l+1, so a row sums to k).
+MoE layer l, expert b at the next MoE layer) of a token's top-k selections, as pair l, and hands the
+counts over with each routing snapshot. The next MoE layer is l+1 where every layer routes, and l+2
+in llama4, which interleaves dense layers (before, only l+1 was counted, and llama4 got no pair). The
+flywheel adds them to Redis (`moe:{model}:transitions:{domain}:{l}`, field "a:b"), and the
+engine-cache feeder turns them into the prefetch tables of llama's expert cache: P(b at the next MoE
+layer | a at l) = count(a, b) x k / sum over b of count(a, b), what `fit_profile` computes from a
+per-token trace (each a at l co-occurs with k experts at the next layer, so a row sums to k).
 
 Unlike the activation counts they are not decayed. The decay makes a domain's table follow the
 traffic (which experts a domain's requests use shifts with what its users ask); a transition is a
@@ -45,9 +47,15 @@ def parse_field(text: str, n_expert: int) -> tuple[int, int] | None:
     return (a, b) if a < n_expert and b < n_expert else None
 
 
+def next_moe_layers(moe_layers: Collection[int]) -> dict[int, int]:
+    """Each MoE layer but the last, to the MoE layer after it: the pairs llama counts."""
+    ordered = sorted(moe_layers)
+    return dict(itertools.pairwise(ordered))
+
+
 def pair_layers(moe_layers: Collection[int]) -> list[int]:
-    """The layers l whose pair (l, l+1) both route experts: the only pairs counted and stored."""
-    return sorted(layer for layer in moe_layers if layer + 1 in moe_layers)
+    """The layers l that start a pair (l, the next MoE layer): the only pairs counted and stored."""
+    return sorted(next_moe_layers(moe_layers))
 
 
 def pair_cells(
@@ -69,8 +77,9 @@ def pair_cells(
         except ValueError as e:
             skips.skip("snapshot_cell", None, f"transitions that do not fit the model: {e}")
             continue
+        starts = next_moe_layers(moe_layers)
         for layer, block in tables.items():
-            if layer not in moe_layers or layer + 1 not in moe_layers:
+            if layer not in starts:
                 skips.skip("snapshot_cell", None, "transitions of a layer pair without routed experts")
                 continue
             for a, b in zip(*np.nonzero(block), strict=True):
@@ -79,20 +88,22 @@ def pair_cells(
 
 
 def cache_transitions(
-    counts: Mapping[int, NDArray[np.floating]], layers: Sequence[int], top_k: int
+    counts: Mapping[int, NDArray[np.floating]], layers: Sequence[int], top_k: int, moe_layers: Collection[int]
 ) -> NDArray[np.float64] | None:
     """The expert cache's `transitions` table, [len(layers) - 1][n_expert][n_expert], for the model layers
     it holds (GET /moe/cache's `layers`, in order), from one domain's pair counts by model layer; None
-    when no pair of cached layers has counts. Between two cached layers that are not adjacent (an -ot
-    placement) nothing is counted: that row stays 0 and the cache prefetches nothing into the second."""
+    when no pair of cached layers has counts. Between two cached layers with a MoE layer between them
+    (one kept on the device by an -ot placement or `auto`) nothing is counted: that row stays 0 and the
+    cache prefetches nothing into the second. Dense layers between them do not count (llama4)."""
     if len(layers) < 2 or not counts:
         return None
     n_expert = next(iter(counts.values())).shape[-1]
     table = np.zeros((len(layers) - 1, n_expert, n_expert))
+    following = next_moe_layers(moe_layers)
     seen = False
     for i, (here, after) in enumerate(itertools.pairwise(layers)):
         block = counts.get(here)
-        if after != here + 1 or block is None or not block.any():
+        if following.get(here) != after or block is None or not block.any():
             continue
         table[i] = transitions_from_counts(block, top_k)
         seen = True

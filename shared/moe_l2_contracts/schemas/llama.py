@@ -15,7 +15,8 @@ LayerCounts = dict[str, dict[str, int]]
 
 class LayerPairCounts(BaseModel):
     """One domain's cross-layer transitions in a routing snapshot (patch 0023, LLAMA_MOE_TRANSITIONS):
-    for each layer l of `pairs`, how often expert a at layer l and expert b at layer l+1 were selected for
+    for each layer l of `pairs`, how often expert a at MoE layer l and expert b at the next MoE layer (l+1, or
+    l+2 where a dense layer comes between, as in llama4) were selected for
     the same token (every top-k x top-k pair); `counts` is base64 of little-endian uint32
     [len(pairs)][n_expert][n_expert]. Only layer pairs with counts are sent."""
 
