@@ -258,13 +258,22 @@ def _read_shard(path: Path) -> _Shard:
     return _Shard(path, size, header, fields, tensors)
 
 
+_MAX_LAYERS = 512  # llama.cpp's LLAMA_MAX_LAYERS: an array longer than that is not one value per layer
+
+
 def _field_value(field: Any) -> Any:
-    """A metadata value: scalars and strings as Python values; arrays are not needed and stay None."""
+    """A metadata value: scalars and strings as Python values, arrays of numbers of at most one per layer as
+    lists (a top-k per layer); other arrays (the vocabulary and its token types, megabytes) stay None."""
     import gguf
 
     types = list(field.types)
-    if not types or types[0] == gguf.GGUFValueType.ARRAY:
+    if not types:
         return None
+    if types[0] == gguf.GGUFValueType.ARRAY:
+        per_layer = len(field.data) <= _MAX_LAYERS
+        if not per_layer or len(types) < 2 or types[-1] in (gguf.GGUFValueType.STRING, gguf.GGUFValueType.ARRAY):
+            return None
+        return [field.parts[i].tolist()[0] for i in field.data]
     raw = field.parts[field.data[0]]
     if types[0] == gguf.GGUFValueType.STRING:
         return bytes(raw).decode("utf-8", errors="replace")
@@ -272,7 +281,10 @@ def _field_value(field: Any) -> Any:
 
 
 def _meta_int(fields: dict[str, Any], key: str, default: int = 0) -> int:
+    """A number of the metadata; of one per layer (nemotron-h's top-k), the largest."""
     value = fields.get(key)
+    if isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value):
+        return int(max(value))
     return int(value) if isinstance(value, (int, float)) else default
 
 

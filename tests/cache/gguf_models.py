@@ -33,7 +33,7 @@ class Built:
 class _Model:
     """Collects tensors, then writes them (optionally split in shards) with the arch's metadata."""
 
-    def __init__(self, arch: str, n_layer: int, n_expert: int, n_used: int, seed: int) -> None:
+    def __init__(self, arch: str, n_layer: int, n_expert: int, n_used: int | list[int], seed: int) -> None:
         self.arch, self.n_layer, self.n_expert, self.n_used = arch, n_layer, n_expert, n_used
         self.rng = np.random.default_rng(seed)
         self.tensors: dict[str, tuple[np.ndarray, Q | None]] = {}
@@ -67,7 +67,10 @@ class _Model:
         w.add_head_count(4)
         if self.n_expert:
             w.add_expert_count(self.n_expert)
-            w.add_expert_used_count(self.n_used)
+            if isinstance(self.n_used, list):  # a top-k per layer (nemotron-h)
+                w.add_array(f"{self.arch}.expert_used_count", self.n_used)
+            else:
+                w.add_expert_used_count(self.n_used)
         for kv in self.kv:
             kv(w)
         for name, (array, raw) in self.tensors.items():

@@ -93,6 +93,19 @@ def test_quantized_types_are_reported(models: dict[str, Built]) -> None:
     assert fused == {"gate_up.weight", "down.weight"}
 
 
+def test_a_top_k_per_layer_reads_as_the_largest(tmp_path: Path) -> None:
+    """nemotron-h writes expert_used_count once per layer: the index takes the largest (a slot count must
+    hold it), where it read 0 before."""
+    from .gguf_models import _experts, _Model
+
+    m = _Model("qwen3moe", n_layer=2, n_expert=8, n_used=[4, 2], seed=9)
+    built = Built(tmp_path / "topk.gguf", "qwen3moe", 2, 8, 4, [0, 1])
+    for layer in range(2):
+        _experts(m, built, layer, n_embd=32, n_ff=8)
+    m.write(built.path)
+    assert load_index(built.path).n_expert_used == 4
+
+
 def test_model_id_is_stable_and_distinct(models: dict[str, Built]) -> None:
     ids = {name: load_index(b.path).model_id for name, b in models.items()}
     assert len(set(ids.values())) == len(ids)
