@@ -12,6 +12,10 @@ the model computes. A mechanism a layer cannot use says so once in the log and r
 Measured 2026-12-07 (issue 43, D1): before the cache split only the layers whose graph built the CPU's
 nodes, `--moe-cache-cpu-misses on` gave gpt-oss (expert biases) and llama4 (routing weights before the
 experts) other tokens than the cache off; see docs/supported-architectures.md for the table.
+
+nemotron_h_moe runs with a top-k per layer (TOP_K_PER_LAYER): the model saver that writes the random models
+keeps one top-k, so the fixture writes the array that heterogeneous nemotron-h models have (D4: the cache's
+ids were laid out for the largest top-k, and the device read past them and crashed).
 """
 
 from __future__ import annotations
@@ -21,18 +25,22 @@ import math
 import os
 import re
 import subprocess
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import gguf
 import httpx
+import numpy as np
 import pytest
 
+from moe_l2_contracts.schemas.llama import LayerPairCounts
 from moe_l2_llama.build import LLAMA_ARCHS
 from moe_l2_llama.settings import LlamaSettings
 from moe_l2_ops.supervisor import free_port
-from tests.conftest import RpcDevice
+from tests.conftest import ADMIN_HEADERS, RpcDevice
 from tests.test_vulkan import serve as serve_binary
 
 pytestmark = [pytest.mark.llama, pytest.mark.slow]
@@ -65,8 +73,8 @@ ARCHS = (
     "deepseek32", "deepseek4", "dots1", "dots3note", "ernie4_5-moe", "exaone-moe", "glm-dsa", "glm4moe", "glm5-next",
     "gpt-oss", "granite", "granitemoe", "grok", "grovemoe", "hunyuan-moe", "hy_v3", "hy_v4", "kimi-k3",
     "kimi-linear", "laguna", "lfm2moe", "llama", "llama4", "maple", "mellum", "mimo2", "minicpm", "minimax-01",
-    "minimax-m2", "minimax-m3", "mistral3", "mistral4", "olmoe", "phimoe", "qwen2moe", "qwen35moe", "qwen3moe",
-    "qwen3next", "qwen3vlmoe", "qwen4exp", "smallthinker",
+    "minimax-m2", "minimax-m3", "mistral3", "mistral4", "nemotron_h_moe", "olmoe", "phimoe", "qwen2moe",
+    "qwen35moe", "qwen3moe", "qwen3next", "qwen3vlmoe", "qwen4exp", "smallthinker",
 )  # fmt: skip
 LEFT_OUT = {
     "ernie4_5": "llama.cpp builds no routed experts for it (its MoE form is ernie4_5-moe): the file has none",
@@ -75,6 +83,12 @@ LEFT_OUT = {
     "rnd1": "a diffusion model: llama-server's /completion computes no logits for it (HTTP 500)",
     "refact": "llama.cpp loads its experts but its graph computes a dense FFN (src/models/refact.cpp): none is asked",
 }
+
+
+# architecture -> its MoE layers' top-k as a fraction of the model's largest: a top-k per layer (nemotron-h)
+TOP_K_PER_LAYER = {"nemotron_h_moe": 2}
+# `sched_reserve: graph: nodes = 125, splits = 8`: the pieces the scheduler cuts a graph into
+GRAPH_SPLITS = re.compile(r"graph.*: nodes = .*, splits = (\d+)")
 
 
 @dataclass(frozen=True)
@@ -87,6 +101,70 @@ class ArchModel:
     def budget(self, slots: int) -> int:
         """The bytes of `slots` slots in every MoE layer, as llama_moe_cache_make_plan divides them."""
         return slots * self.expert_bytes * self.n_layer
+
+
+def rewrite_gguf(
+    path: Path,
+    out: Path,
+    value: Callable[[str, Any], Any] = lambda name, v: v,
+    tensor: Callable[[Any], tuple[np.ndarray, gguf.GGMLQuantizationType]] = lambda t: (t.data, t.tensor_type),
+) -> None:
+    """A copy of the GGUF at `path` with each metadata value through `value` and each tensor through `tensor`
+    (its data and type): the random models, in forms the model saver that writes them does not give."""
+    reader = gguf.GGUFReader(path)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(out, arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        v = value(name, field.contents())
+        if isinstance(v, list) and field.types[0] != gguf.GGUFValueType.ARRAY:
+            writer.add_array(name, v)
+        elif field.types[0] == gguf.GGUFValueType.ARRAY:
+            if v:  # the writer refuses an empty array; the loader reads a missing one as empty
+                writer.add_key_value(name, v, field.types[0], sub_type=field.types[-1])
+        else:
+            writer.add_key_value(name, v, field.types[0])
+    for t in reader.tensors:
+        data, ggml_type = tensor(t)
+        writer.add_tensor(t.name, data, raw_dtype=ggml_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def with_top_k_per_layer(path: Path, divisor: int) -> None:
+    """`{arch}.expert_used_count` an array, the last layer's top-k the others' / divisor: the form a model with
+    a top-k per layer has (llama_model_loader reads a scalar or an array)."""
+    arch = gguf.GGUFReader(path).fields["general.architecture"].contents()
+    n_layer = int(gguf.GGUFReader(path).fields[f"{arch}.block_count"].contents())
+
+    def top_k(name: str, v: Any) -> Any:
+        return [int(v)] * (n_layer - 1) + [max(1, int(v) // divisor)] if name == f"{arch}.expert_used_count" else v
+
+    out = path.with_suffix(".topk.gguf")
+    rewrite_gguf(path, out, value=top_k)
+    out.replace(path)
+
+
+def with_q4_0_gate_up(path: Path, out: Path) -> None:
+    """The fused gate_up experts in Q4_0, a type the CPU backend repacks for its own kernels."""
+
+    def q4_0(t: Any) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
+        if t.name.endswith("ffn_gate_up_exps.weight"):
+            q = gguf.GGMLQuantizationType.Q4_0
+            return gguf.quants.quantize(np.asarray(t.data), q), q
+        return t.data, t.tensor_type
+
+    rewrite_gguf(path, out, tensor=q4_0)
+
+
+def expert_products(path: Path) -> int:
+    """The graph's products of routed experts kept in host memory by --cpu-moe: one per expert weight tensor,
+    the chunk experts (`*_chexps`, grovemoe) too."""
+    pattern = re.compile(r"blk\.\d+\.ffn_(gate|up|down|gate_up)_(ch|)exps\.weight")
+    return sum(1 for t in gguf.GGUFReader(path).tensors if pattern.fullmatch(t.name))
 
 
 def expert_shape(path: Path) -> tuple[int, int]:
@@ -114,20 +192,22 @@ def arch_models(rpc_binary: Path, tmp_path_factory: pytest.TempPathFactory) -> d
     models = {}
     for path in sorted(out.glob("*-moe.gguf")):
         arch = path.name.removesuffix("-moe.gguf")
+        if arch in TOP_K_PER_LAYER:
+            with_top_k_per_layer(path, TOP_K_PER_LAYER[arch])
         models[arch] = ArchModel(arch, path, *expert_shape(path))
     return models
 
 
-def settings(extra: str = "", budget: str | None = None) -> LlamaSettings:
-    """The experts in host memory (--cpu-moe), everything else on the device; no warm-up decode (a second
-    a server, of the matrix's hundreds)."""
+def settings(extra: str = "", budget: str | None = None, host_experts: bool = True) -> LlamaSettings:
+    """The experts in host memory (--cpu-moe; host_experts False: on the device too), everything else on the
+    device; no warm-up decode (a second a server, of the matrix's hundreds)."""
     s = LlamaSettings(
         port=free_port(),
         parallel=1,
         ctx_size=256,
         threads=2,
         gpu_layers=99,
-        extra_args=f"--cpu-moe --no-warmup -lv 4 {extra}".strip(),
+        extra_args=f"{'--cpu-moe ' if host_experts else ''}--no-warmup -lv 4 {extra}".strip(),
     )
     return s if budget is None else s.model_copy(update={"expert_cache_bytes": budget})
 
@@ -242,6 +322,74 @@ def test_the_expert_cache_gives_the_cache_off_run(
         # forced on: the CPU computed misses, or a layer said why it could not (D1: it split them anyway)
         assert (on_cpu is not None and int(on_cpu[1]) > 0) or off, f"no miss on the CPU and no layer said why: {on_cpu}"
     assert problem is None, problem
+
+
+def graph_splits(log: str) -> int:
+    found = GRAPH_SPLITS.search(log)
+    assert found, log[-3000:]
+    return int(found[1])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_cache_cuts_the_graph_only_where_it_maps_experts(
+    rpc_device: RpcDevice, arch_models: dict[str, ArchModel], arch: str, tmp_path: Path
+) -> None:
+    """Through the cache, the graph is the all-on-device graph plus one split per product of host experts,
+    where the scheduler reads the ids the cache maps: the experts' biases and scales stay on the device with
+    the rest (D5: --cpu-moe's pattern put gpt-oss's biases in host memory beside the weights, and 10 more
+    splits sent the graph back to the CPU for them every micro-batch)."""
+    model = arch_models[arch]
+    with serve(rpc_device, model.path, settings(host_experts=False), tmp_path, f"{arch}-on-device") as (_, log_path):
+        base = graph_splits(log_path.read_text(errors="replace"))
+    with serve(rpc_device, model.path, settings(budget=str(model.budget(N_EXPERT))), tmp_path, f"{arch}-all-slots") as (
+        _,
+        log_path,
+    ):
+        cached = graph_splits(log_path.read_text(errors="replace"))
+    assert cached == base + expert_products(model.path), (base, cached, expert_products(model.path))
+
+
+def moe_layers(path: Path) -> list[int]:
+    pattern = re.compile(r"blk\.(\d+)\.ffn_(up|gate_up)_exps\.weight")
+    return sorted({int(found[1]) for t in gguf.GGUFReader(path).tensors if (found := pattern.fullmatch(t.name))})
+
+
+@pytest.mark.parametrize("arch", ["llama4", "qwen3moe"])
+def test_transitions_pair_each_moe_layer_with_the_next(
+    rpc_device: RpcDevice, arch_models: dict[str, ArchModel], arch: str, tmp_path: Path
+) -> None:
+    """The transitions telemetry (LLAMA_MOE_TRANSITIONS) counts a pair from each MoE layer to the next MoE
+    layer: llama4 routes at layers 1 and 3 (dense layers between), qwen3moe at 0 and 1 (D6: only l, l+1 was
+    counted, and llama4 had no pair at all). Every token that reaches the second layer pairs its k experts
+    there with its k at the first."""
+    model = arch_models[arch]
+    first, second = moe_layers(model.path)[:2]
+    s = settings().model_copy(update={"telemetry": True, "transitions": True})
+    with serve(rpc_device, model.path, s, tmp_path, f"{arch}-transitions") as (client, _):
+        greedy(client)
+        resp = client.get("/moe/routing", params={"reset": "1"}, headers=ADMIN_HEADERS)
+    resp.raise_for_status()
+    routing = resp.json()
+    pairs = LayerPairCounts.model_validate(routing["transitions"]["untagged"]).tables(N_EXPERT)
+    assert sorted(pairs) == [first], (sorted(pairs), first, second)
+    at_second = sum(routing["domains"]["untagged"][str(second)].values())  # k per token there
+    assert int(pairs[first].sum()) == N_USED * at_second > 0
+
+
+def test_repacked_fused_experts_are_named_as_the_reason_for_no_cache(
+    rpc_device: RpcDevice, arch_models: dict[str, ArchModel], tmp_path: Path
+) -> None:
+    """deepseek2's fused gate_up in Q4_0 in host memory, its down on the device: with repacking on, the CPU
+    backend repacks gate_up into its own layout, which no device reads, so no layer has experts for the cache,
+    and the log says why (D8: the check left out gate_up and said no expert was in host memory at all)."""
+    model = tmp_path / "deepseek2-q4_0-gate-up.gguf"
+    with_q4_0_gate_up(arch_models["deepseek2"].path, model)
+    s = settings("-ot gate_up_exps=CPU", budget=str(arch_models["deepseek2"].budget(SLOTS)), host_experts=False)
+    repacking = rpc_device.on_device(s).model_copy(update={"cpu_repack": True})
+    with serve_binary(rpc_device.binary, model, repacking, {}, tmp_path, "repacked") as (client, log_path):
+        assert client.get("/moe/cache").status_code == 501  # no cache: the server runs without it
+    log = log_path.read_text(errors="replace")
+    assert "repacked for the CPU's own kernels" in log and "start with --no-repack" in log, log[-3000:]
 
 
 def record(arch: str, mechanism: str, problem: str | None, off: list[str], cpu_misses: int) -> None:
