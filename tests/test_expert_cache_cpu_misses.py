@@ -186,3 +186,60 @@ def test_the_mode_is_checked_by_the_flag_parser(llama_binary: Path, models: dict
     code, log = run_until_ready_or_exit(cmd, {})
     assert code not in (None, 0)
     assert "--moe-cache-cpu-misses" in log
+
+
+# `(an expert: CPU 23.13 GB/s, copy 2.04 GB/s, measured now, best of 10 runs)`, or `kept from an earlier start`
+RATES = re.compile(r"CPU ([\d.]+) GB/s, copy ([\d.]+) GB/s, (measured now|kept from an earlier start)")
+COPIED_RATES = re.compile(
+    r"misses copied, none computed on the CPU: it reads an expert at ([\d.]+) GB/s, the copy moves it at "
+    r"([\d.]+) GB/s \((measured now[^)]*|kept from an earlier start)\)"
+)
+
+
+def auto_rates(device: RpcDevice, model: Path, rates: str, tmp_path: Path, name: str) -> tuple[str, str]:
+    """One start with the CPU misses on auto and the rates kept in `rates`: (its line of rates, its log)."""
+    s = cpu_misses(7, "auto")
+    s = s.model_copy(update={"extra_args": f"{s.extra_args} --moe-cache-rates {rates}"})
+    with serve_on(device, model, s, {}, tmp_path / name) as (_, log_path):
+        log_text = log_path.read_text(errors="replace")
+    found = RATES.search(log_text) or COPIED_RATES.search(log_text)
+    assert found, log_text[-3000:]
+    return found[0], log_text
+
+
+def test_auto_decides_by_rates_kept_from_the_first_start(
+    rpc_device: RpcDevice, models: dict[str, Model], tmp_path: Path
+) -> None:
+    """The first start measures the rates and keeps them; the next starts of the same command read them, so that
+    auto chooses the same way every start (D9: measured at every start, one H200 read the CPU at 0.03 to 21.9
+    GB/s in five starts of the same model, and auto computed misses on the CPU in one and copied them in the
+    next). A kept rate is what decides: planted as a CPU slower than the copy, the misses are copied."""
+    model = models["ds-v2-lite"].path
+    rates = tmp_path / "rates.txt"
+    first, log_text = auto_rates(rpc_device, model, str(rates), tmp_path, "first")
+    assert "measured now" in first and f"the rates kept in {rates}" in log_text
+    assert len(rates.read_text().splitlines()) == 1
+    for n in (2, 3):
+        again, log_text = auto_rates(rpc_device, model, str(rates), tmp_path, f"start-{n}")
+        assert again == first.replace("measured now", "kept from an earlier start")
+        assert "the rates kept in" not in log_text  # nothing measured, nothing written
+
+    key, _, copy = rates.read_text().splitlines()[0].split("\t")
+    rates.write_text(f"{key}\t{float(copy) / 100:.4f}\t{copy}\n")  # a CPU a hundred times slower than the copy
+    planted, log_text = auto_rates(rpc_device, model, str(rates), tmp_path, "planted")
+    assert "kept from an earlier start" in planted and "computed on the CPU (" not in log_text, planted
+
+
+def test_rates_none_measures_at_every_start_and_keeps_nothing(
+    rpc_device: RpcDevice, models: dict[str, Model], tmp_path: Path
+) -> None:
+    for n in (1, 2):
+        line, log_text = auto_rates(rpc_device, models["ds-v2-lite"].path, "none", tmp_path, f"none-{n}")
+        assert "measured now" in line and "the rates kept in" not in log_text
+
+
+def test_an_empty_rates_file_is_refused_by_the_flag_parser(llama_binary: Path, models: dict[str, Model]) -> None:
+    cmd = [*llama_server_command(llama_binary, models["ds-v2-lite"].path, base_settings()), "--moe-cache-rates", ""]
+    code, log = run_until_ready_or_exit(cmd, {})
+    assert code not in (None, 0)
+    assert "--moe-cache-rates needs a file, or none" in log
