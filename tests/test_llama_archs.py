@@ -392,6 +392,40 @@ def test_repacked_fused_experts_are_named_as_the_reason_for_no_cache(
     assert "repacked for the CPU's own kernels" in log and "start with --no-repack" in log, log[-3000:]
 
 
+@pytest.fixture(scope="session")
+def mtp_model(rpc_binary: Path, tmp_path_factory: pytest.TempPathFactory) -> ArchModel:
+    """deepseek2's random model with one MTP (nextn) layer after its own, with experts of its own (patch 0026's
+    --nextn). glm4moe's random MTP model stops the RPC device in its rope with the cache off too (an mrope
+    section of 0), so deepseek2 stands for the MTP architectures."""
+    out = tmp_path_factory.mktemp("mtp-model")
+    cmd = [str(rpc_binary.parent / LLAMA_ARCHS), "-a", "deepseek2", "-o", str(out), "-s", str(SEED)]
+    cmd += ["--n-expert", str(N_EXPERT), "--n-expert-used", str(N_USED), "--nextn", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    path = out / "deepseek2-moe.gguf"
+    return ArchModel("deepseek2-mtp", path, *expert_shape(path))
+
+
+def test_an_mtp_layer_gets_no_cache_and_the_draft_keeps_the_tokens(
+    rpc_device: RpcDevice, mtp_model: ArchModel, tmp_path: Path
+) -> None:
+    """With --spec-type draft-mtp the MTP layer's experts are in host memory beside the model's, and the cache
+    plans the model's layers only (D2: it planned the MTP layer too and wrote past the end of its tables of
+    n_layer rows, a heap-buffer-overflow under AddressSanitizer). The tokens are the cache-off run's."""
+    moe = moe_layers(mtp_model.path)
+    assert len(moe) == 2, moe  # the model's MoE layer, then the MTP layer's experts
+    draft = "--spec-type draft-mtp"
+    with serve(rpc_device, mtp_model.path, settings(draft), tmp_path, "mtp-cache-off") as (client, _):
+        expected = greedy(client).tokens
+    s = settings(draft, budget=str(mtp_model.budget(SLOTS)))
+    with serve(rpc_device, mtp_model.path, s, tmp_path, "mtp-cache") as (client, log_path):
+        got = greedy(client).tokens
+        info = client.get("/moe/cache")
+    assert info.status_code == 200 and info.json()["layers"] == moe[:1], info.text
+    assert "MTP draft context" in log_path.read_text(errors="replace")
+    assert got == expected
+
+
 def record(arch: str, mechanism: str, problem: str | None, off: list[str], cpu_misses: int) -> None:
     """One line of the matrix to MOE_L2_ARCH_MATRIX (JSON lines), if set: `python -m tests.arch_table` makes
     docs/supported-architectures.md of it."""
