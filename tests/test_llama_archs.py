@@ -26,6 +26,7 @@ import os
 import re
 import subprocess
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,8 +60,12 @@ PROMPTS = ([1, 17, 33, 49, 65, 81, 97, 113, 5], [2, 9, 27, 44, 58, 71, 88, 103, 
 # half of every layer's experts instead (`--moe-cache-bytes auto:B`: whole layers and a cache, its choice)
 MECHANISMS = {
     "cache": "--moe-cache-policy default",
+    "lru": "--moe-cache-policy lru",
     "cpu-misses": "--moe-cache-cpu-misses on",
     "auto": "--fit off",
+    "staging": "--moe-cache-staging on",
+    "prompt-ahead": "--moe-cache-prompt-ahead on",
+    "np2": "--moe-cache-policy default",  # two slots, the prompts sent at once (settings: parallel 2)
 }
 AUTO_INPUTS = re.compile(
     r"expert cache auto: budget (\d+) bytes \(.*\) for (\d+) MoE layers of (\d+) experts of (\d+) bytes"
@@ -212,10 +217,29 @@ def settings(extra: str = "", budget: str | None = None, host_experts: bool = Tr
     return s if budget is None else s.model_copy(update={"expert_cache_bytes": budget})
 
 
+def largest_expert_tensor(path: Path) -> int:
+    pattern = re.compile(r"blk\.\d+\.ffn_(gate|up|down|gate_up)_exps\.weight")
+    return max(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors if pattern.fullmatch(t.name))
+
+
+def ahead_bytes(model: ArchModel) -> int:
+    """The two buffers a prompt's copies ahead go to: each holds the largest expert tensor whole."""
+    return 2 * largest_expert_tensor(model.path)
+
+
+def ahead_engages(model: ArchModel) -> bool:
+    """Whether SLOTS slots and the two buffers are fewer bytes than every expert: else the cache holds them all,
+    and a prompt has no miss to copy ahead (a model of one MoE layer, or a large fused tensor, at 16 experts)."""
+    return model.budget(SLOTS) + ahead_bytes(model) < model.budget(N_EXPERT)
+
+
 def mechanism_settings(mechanism: str, model: ArchModel) -> LlamaSettings:
     if mechanism == "auto":
         return settings(MECHANISMS[mechanism], budget=f"auto:{model.budget(N_EXPERT // 2)}")
-    return settings(MECHANISMS[mechanism], budget=str(model.budget(SLOTS)))
+    if mechanism == "prompt-ahead":
+        return settings(MECHANISMS[mechanism], budget=str(model.budget(SLOTS) + ahead_bytes(model)))
+    s = settings(MECHANISMS[mechanism], budget=str(model.budget(SLOTS)))
+    return s.model_copy(update={"parallel": 2}) if mechanism == "np2" else s
 
 
 def serve(
@@ -231,26 +255,33 @@ class Run:
     logprobs: list[list[float]]
 
 
-def greedy(client: httpx.Client) -> Run:
-    tokens, logprobs = [], []
-    for prompt in PROMPTS:
-        body = {
-            "prompt": prompt,
-            "n_predict": N_PREDICT,
-            "temperature": 0,
-            "top_k": 1,
-            "ignore_eos": True,
-            "cache_prompt": False,
-            "return_tokens": True,
-            "n_probs": 1,
-            "post_sampling_probs": False,
-        }
-        resp = client.post("/completion", json=body)
-        resp.raise_for_status()
-        data = resp.json()
-        tokens.append(data["tokens"])
-        logprobs.append([p["logprob"] for p in data["completion_probabilities"]])
-    return Run(tokens, logprobs)
+def greedy(client: httpx.Client, at_once: bool = False) -> Run:
+    """Each prompt's greedy tokens and their log-probabilities; at_once: the prompts sent together (-np 2
+    batches their sequences)."""
+    if at_once:
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            runs = list(pool.map(lambda p: complete(client, p), PROMPTS))
+    else:
+        runs = [complete(client, p) for p in PROMPTS]
+    return Run([t for t, _ in runs], [lp for _, lp in runs])
+
+
+def complete(client: httpx.Client, prompt: list[int]) -> tuple[list[int], list[float]]:
+    body = {
+        "prompt": prompt,
+        "n_predict": N_PREDICT,
+        "temperature": 0,
+        "top_k": 1,
+        "ignore_eos": True,
+        "cache_prompt": False,
+        "return_tokens": True,
+        "n_probs": 1,
+        "post_sampling_probs": False,
+    }
+    resp = client.post("/completion", json=body)
+    resp.raise_for_status()
+    data = resp.json()
+    return data["tokens"], [p["logprob"] for p in data["completion_probabilities"]]
 
 
 _reference: dict[str, Run] = {}
@@ -298,7 +329,7 @@ def test_the_expert_cache_gives_the_cache_off_run(
         client,
         log_path,
     ):
-        got = greedy(client)
+        got = greedy(client, at_once=mechanism == "np2")
         info = client.get("/moe/cache")
         metrics = client.get("/metrics").text
     log = log_path.read_text(errors="replace")
@@ -309,15 +340,22 @@ def test_the_expert_cache_gives_the_cache_off_run(
         found = AUTO_INPUTS.search(log)
         assert found, log[-3000:]
         assert (int(found[2]), int(found[3]), int(found[4])) == (model.n_layer, N_EXPERT, model.expert_bytes)
+    elif mechanism == "prompt-ahead" and not ahead_engages(model):
+        assert info.status_code == 200 and info.json()["ahead_bytes"] == 0, info.text  # every expert fits
     else:
         assert f"{SLOTS} of {N_EXPERT} experts per layer" in log, log[-3000:]
         assert info.status_code == 200 and info.json()["n_slot"] == SLOTS, info.text
         # the graph asked the cache for its experts: a model whose graph never does proves nothing here
         assert accesses is not None and int(accesses[1]) > 0, "the cache was never asked"
+    if mechanism == "prompt-ahead" and ahead_engages(model):
+        assert info.json()["ahead_bytes"] > 0, info.text  # its two buffers exist: the prompts copied ahead
+    if mechanism == "staging":
+        assert "through a staging ring" in log, log[-3000:]
     on_cpu = re.search(r"^llamacpp:moe_cache_cpu_misses_total (\d+)$", metrics, re.M)
     off = sorted(set(re.findall(r"expert cache: layer \d+: CPU misses off \(([^)]*)\)", log)))
     problem = same_run(got, expected)
-    record(arch, mechanism, problem, off, int(on_cpu[1]) if on_cpu else 0)
+    engaged = mechanism != "prompt-ahead" or ahead_engages(model)
+    record(arch, mechanism, problem, off, int(on_cpu[1]) if on_cpu else 0, engaged)
     if mechanism == "cpu-misses":
         # forced on: the CPU computed misses, or a layer said why it could not (D1: it split them anyway)
         assert (on_cpu is not None and int(on_cpu[1]) > 0) or off, f"no miss on the CPU and no layer said why: {on_cpu}"
@@ -426,11 +464,14 @@ def test_an_mtp_layer_gets_no_cache_and_the_draft_keeps_the_tokens(
     assert got == expected
 
 
-def record(arch: str, mechanism: str, problem: str | None, off: list[str], cpu_misses: int) -> None:
+def record(
+    arch: str, mechanism: str, problem: str | None, off: list[str], cpu_misses: int, engaged: bool = True
+) -> None:
     """One line of the matrix to MOE_L2_ARCH_MATRIX (JSON lines), if set: `python -m tests.arch_table` makes
     docs/supported-architectures.md of it."""
     if path := os.environ.get("MOE_L2_ARCH_MATRIX"):
         line = {"arch": arch, "mechanism": mechanism, "ok": problem is None, "off": off, "cpu_misses": cpu_misses}
+        line["engaged"] = engaged
         with open(path, "a", encoding="utf-8") as f:
             f.write(json.dumps(line) + "\n")
 
@@ -445,6 +486,12 @@ def test_the_table_says_what_ran_and_what_was_off() -> None:
         {"arch": "olmoe", "mechanism": "cpu-misses", "ok": False, "off": [], "cpu_misses": 37},
     ]
     table = render(rows)
-    assert "| gpt-oss | passed | passed | not run | 0 | expert biases |" in table
-    assert "| olmoe | not run | **failed** | not run | 37 | - |" in table
+    rows.append(
+        {"arch": "olmoe", "mechanism": "prompt-ahead", "ok": True, "off": [], "cpu_misses": 0, "engaged": False}
+    )
+    table = render(rows)
+    runs = " | ".join("passed" if m in ("cache", "cpu-misses") else "not run" for m in MECHANISMS)
+    assert f"| gpt-oss | {runs} | 0 | expert biases |" in table
+    cells = {m: "not run" for m in MECHANISMS} | {"cpu-misses": "**failed**", "prompt-ahead": "passed, all fit"}
+    assert f"| olmoe | {' | '.join(cells.values())} | 37 | - |" in table
     assert all(f"- **{arch}**: " in table for arch in LEFT_OUT)
