@@ -136,6 +136,43 @@ def test_up_with_a_missing_model_is_one_clear_line(llama_binary: Path, tmp_path:
     assert result.stderr.strip().splitlines()[-1] == f"error: model {tmp_path / 'nope.gguf'} does not exist"
 
 
+def up_error(model: Path, tmp_path: Path) -> str:
+    """`moe-l2 up --model` with a llama-server that does not exist: a check that comes before the build says
+    its line first; one after it would say the binary is missing."""
+    env = {
+        **os.environ,
+        "MOE_L2_STATE_DIR": str(tmp_path / "state"),
+        "MOE_L2_LLAMA_PORT": str(free_port()),
+        "MOE_L2_LLAMA_SERVER": str(tmp_path / "no-such-llama-server"),
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "moe_l2_ops.cli", "up", "--model", str(model)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert result.returncode == 1, result.stderr
+    return result.stderr.strip().splitlines()[-1]
+
+
+def test_up_with_a_dense_model_is_one_line_before_any_build(tmp_path: Path) -> None:
+    from tests.cache.gguf_models import build_dense
+
+    dense = build_dense(tmp_path).path
+    assert up_error(dense, tmp_path) == (
+        f"error: model {dense} is a dense model (no routed experts): moe-l2 keeps a mixture-of-experts model's "
+        "experts in host memory and has nothing to place for it; serve it with llama-server directly"
+    )
+
+
+def test_up_with_a_file_that_is_not_gguf_is_one_line_before_any_build(tmp_path: Path) -> None:
+    text = tmp_path / "notes.gguf"
+    text.write_text("not a model\n")
+    line = up_error(text, tmp_path)
+    assert line.startswith(f"error: model {text} cannot be read as a GGUF model: "), line
+
+
 @pytest.fixture
 def no_token(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """No admin token in the environment; the state folder in tmp_path. Returns the token file's path."""

@@ -87,10 +87,12 @@ def llama_service(settings: StackSettings, model: Path, binary: Path, admin_toke
 
 
 def resolve_model(settings: StackSettings, model: Path | None) -> Path:
-    """The model to serve: the one given, else a demo model generated once into the state folder."""
+    """The model to serve: the one given (a GGUF with routed experts, checked from its header in well under
+    a second, before any build), else a demo model generated once into the state folder."""
     if model is not None:
         if not model.is_file():
             raise SupervisorError(f"model {model} does not exist")
+        check_moe_model(model)
         return model
     from moe_l2_gguf.demo_model import make_demo_model
 
@@ -99,6 +101,22 @@ def resolve_model(settings: StackSettings, model: Path | None) -> Path:
         print(f"no MODEL given: generating a demo MoE model at {demo}", file=sys.stderr)
         make_demo_model(demo, seed=settings.demo_seed)
     return demo
+
+
+def check_moe_model(model: Path) -> None:
+    """One line for a file llama.cpp could not serve as a MoE model: a build of llama-server (30 minutes for
+    CUDA on a small machine) must not come first and then fail on it."""
+    from moe_l2_gguf.index import DenseModelError, GGUFIndexError, load_index
+
+    try:
+        load_index(model)
+    except DenseModelError:
+        raise SupervisorError(
+            f"model {model} is a dense model (no routed experts): moe-l2 keeps a mixture-of-experts model's "
+            "experts in host memory and has nothing to place for it; serve it with llama-server directly"
+        ) from None
+    except (GGUFIndexError, OSError) as exc:
+        raise SupervisorError(f"model {model} cannot be read as a GGUF model: {exc}") from None
 
 
 def cache_manager_service(settings: StackSettings, model: Path) -> ServiceSpec:
@@ -210,9 +228,10 @@ def main(argv: list[str] | None = None) -> int:
         # first: a gateway open beyond loopback without API keys refuses here, before any build or start
         prepare_gateway()
         refuse_ram_tier_with_replicas(args.llama_replicas)
+        # the model before the build: a missing, unreadable or dense model is one line, not a build first
+        model = resolve_model(settings, Path(args.model) if args.model else None)
         # logs which build serves and why; a GPU build's defaults go to every replica's environment
         binary = prepare_llama_server(os.environ)
-        model = resolve_model(settings, Path(args.model) if args.model else None)
         admin_token = stack_admin_token(settings)
         services = stack_services(settings, model, binary, admin_token, args.llama_replicas)
         check_ports(services)
