@@ -74,6 +74,18 @@ FILL_CASES = (
     _case("f16", 4, 2, 8, 16, 64, m_v=64),
 )
 CASES = SLOT_CASES + FILL_CASES
+# The expert types of the models people run, through the hook on the RPC device (issue 43): MXFP4 (gpt-oss),
+# Q8_0, an IQ type (IQ2_XXS) with upstream's 2-of-8 cases, Q6_K and Q2_K (the K-quants of Q4_K_M and Q2_K
+# models' experts) with its 2-of-4 cases, each a decode batch (slots) and a prompt batch (the full-size copy).
+# Only on the RPC device: on a cold shader cache each new type costs llvmpipe its own pipelines' compile.
+TYPE_SLOT_CASES = (
+    *(_case(t, 8, 2, 512, 1, 256) for t in ("mxfp4", "q8_0", "iq2_xxs")),
+    *(_case(t, 4, 2, 512, 1, 256) for t in ("q6_K", "q2_K")),
+)
+TYPE_FILL_CASES = (
+    *(_case(t, 8, 2, 512, 32, 256) for t in ("mxfp4", "q8_0", "iq2_xxs")),
+    *(_case(t, 4, 2, 512, 32, 256) for t in ("q6_K", "q2_K")),
+)
 BATCHES = 3  # batches of ids per case through one cache (patch 0025)
 CASE_TIMEOUT_S = 600  # a case on a cold shader cache compiles its pipelines first (tests/llvmpipe_probe.py)
 
@@ -240,6 +252,23 @@ def test_mul_mat_id_on_a_device_through_the_expert_cache(device_ops: DeviceOps) 
         assert r.hook["cases_sched"] == 1 and r.hook["asked"] == r.hook[path] == BATCHES, r.describe()
     # the slots start empty: the first batch of every slot case copies its experts to the device
     assert total(runs, "copied") >= sum(r.hook["on_slots"] > 0 for r in runs)
+
+
+@pytest.mark.llama
+def test_the_model_expert_types_through_the_expert_cache_on_the_rpc_device(rpc_device: RpcDevice) -> None:
+    """MXFP4, Q8_0, IQ2_XXS, Q6_K and Q2_K experts through the hook: each decode case on slots and each prompt
+    case filling the full-size copy, every batch within the case's error bound; with the slot ids one off, every
+    decode case fails."""
+    ops = DeviceOps(backend_ops(rpc_device.binary), "RPC0", ("--rpc", rpc_device.endpoint), {})
+    runs, seconds = ops.run(TYPE_SLOT_CASES + TYPE_FILL_CASES)
+    print(report("RPC0, expert types", runs, seconds))
+    failed = [r.describe() for r in runs if not r.ok]
+    assert not failed, "\n".join(failed)
+    for r in runs:
+        path = "on_slots" if r.case in TYPE_SLOT_CASES else "filled"
+        assert r.hook["cases_sched"] == 1 and r.hook["asked"] == r.hook[path] == BATCHES, r.describe()
+    broken, _ = ops.run(TYPE_SLOT_CASES, broken=True)
+    assert [r.case for r in broken if not r.ok] == list(TYPE_SLOT_CASES), "\n".join(r.describe() for r in broken)
 
 
 @pytest.mark.llama

@@ -414,6 +414,42 @@ def test_transitions_pair_each_moe_layer_with_the_next(
     assert int(pairs[first].sum()) == N_USED * at_second > 0
 
 
+def with_mixed_expert_types(path: Path, out: Path) -> None:
+    """The experts' gate in Q8_0, up in Q4_0 and down in F16: a layer whose three tensors differ in type."""
+    types = {"gate": gguf.GGMLQuantizationType.Q8_0, "up": gguf.GGMLQuantizationType.Q4_0}
+
+    def mixed(t: Any) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
+        found = re.fullmatch(r"blk\.\d+\.ffn_(gate|up|down)_exps\.weight", t.name)
+        if found is None:
+            return t.data, t.tensor_type
+        if found[1] == "down":
+            return np.asarray(t.data).astype(np.float16), gguf.GGMLQuantizationType.F16
+        return gguf.quants.quantize(np.asarray(t.data), types[found[1]]), types[found[1]]
+
+    rewrite_gguf(path, out, tensor=mixed)
+
+
+@pytest.mark.parametrize("mechanism", ["cache", "cpu-misses"])
+def test_a_layer_of_three_expert_types_gives_the_cache_off_run(
+    rpc_device: RpcDevice, arch_models: dict[str, ArchModel], mechanism: str, tmp_path: Path
+) -> None:
+    """olmoe's experts with gate Q8_0, up Q4_0 and down F16: a slot holds the three types side by side and the
+    CPU's misses read each in its own; the tokens and log-probabilities are the cache-off run's."""
+    path = tmp_path / "olmoe-mixed.gguf"
+    with_mixed_expert_types(arch_models["olmoe"].path, path)
+    model = ArchModel("olmoe-mixed", path, *expert_shape(path))
+    with serve(rpc_device, path, settings(), tmp_path, "mixed-cache-off") as (client, _):
+        expected = greedy(client)
+    s = mechanism_settings(mechanism, model)
+    with serve(rpc_device, path, s, tmp_path, f"mixed-{mechanism}") as (client, _):
+        got = greedy(client)
+        assert client.get("/moe/cache").json()["n_slot"] == SLOTS
+        on_cpu = re.search(r"^llamacpp:moe_cache_cpu_misses_total (\d+)$", client.get("/metrics").text, re.M)
+    assert same_run(got, expected) is None, same_run(got, expected)
+    if mechanism == "cpu-misses":
+        assert on_cpu is not None and int(on_cpu[1]) > 0, "the CPU computed no miss"
+
+
 def test_repacked_fused_experts_are_named_as_the_reason_for_no_cache(
     rpc_device: RpcDevice, arch_models: dict[str, ArchModel], tmp_path: Path
 ) -> None:
