@@ -35,7 +35,7 @@ import numpy as np
 
 from moe_l2_contracts.domains import DEFAULT_DOMAINS
 from moe_l2_gguf.model_files import DemoModelError, atomic_write, ensure_parent
-from moe_l2_gguf.model_shapes import run_cli
+from moe_l2_gguf.model_shapes import SHAPES, run_cli
 from moe_l2_gguf.vocabulary import CHAT_TEMPLATE, DOMAIN_WORDS, NEUTRAL_WORDS, SPACE
 
 MODEL_NAME = "moe-l2-demo"
@@ -412,19 +412,28 @@ def main(argv: list[str] | None = None) -> int:
     shapes = parser.add_argument_group(
         "model shapes", "a random-weight model with the shape of a real MoE model, instead (docs/model-shapes.md)"
     )
-    shapes.add_argument("--shape", metavar="NAME", help="ds-v2-lite or qwen3-30b-a3b")
+    shapes.add_argument("--shape", metavar="NAME", help=f"one of: {', '.join(SHAPES)}")
     shapes.add_argument("--layers", type=int, metavar="N", help="only the first N layers (reduced depth, for tests)")
+    shapes.add_argument("--experts", type=int, metavar="N", help="only N experts a MoE layer (for tests)")
     shapes.add_argument("--vocab", type=int, metavar="N", help="vocabulary size (default: the real model's)")
     shapes.add_argument(
-        "--expert-type", choices=("q4_k", "q4_0"), default="q4_k", help="routed experts' quantization (default: q4_k)"
+        "--expert-type",
+        choices=("q4_k", "q4_0", "mxfp4"),
+        help="routed experts' quantization (default: the model's own: mxfp4 for gpt-oss, else q4_k)",
     )
     args = parser.parse_args(argv)
     if args.shape is not None:
         return run_cli(
-            args.path, args.shape, layers=args.layers, vocab=args.vocab, expert_type=args.expert_type, seed=args.seed
+            args.path,
+            args.shape,
+            layers=args.layers,
+            vocab=args.vocab,
+            expert_type=args.expert_type,
+            seed=args.seed,
+            experts=args.experts,
         )
-    if args.layers is not None or args.vocab is not None:
-        print("error: --layers and --vocab need --shape", file=sys.stderr)
+    if args.layers is not None or args.vocab is not None or args.experts is not None:
+        print("error: --layers, --experts and --vocab need --shape", file=sys.stderr)
         return 2
     spec = DemoModelSpec()
     try:

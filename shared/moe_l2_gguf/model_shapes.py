@@ -8,6 +8,17 @@ slice has its real byte size; only the weights are random.
 * `ds-v2-lite`: DeepSeek-V2-Lite (arch `deepseek2`, MLA attention, the first layer dense, 64 routed
   + 2 shared experts, top-6), the model the ESFT routing traces come from.
 * `qwen3-30b-a3b`: Qwen3-30B-A3B (arch `qwen3moe`, 128 experts, top-8, GQA 32/4 heads).
+* `qwen3-235b-a22b`: Qwen3-235B-A22B (`qwen3moe`, 94 layers, 128 experts, top-8).
+* `gpt-oss-20b`, `gpt-oss-120b`: OpenAI's gpt-oss (`gpt-oss`, 32 or 128 experts, top-4): routed experts in
+  MXFP4 as the released weights are, F32 biases on every expert, the router and the attention, attention
+  sinks, a post-attention norm in place of the FFN norm, softmax over the chosen experts' logits.
+* `glm-4.5-air`: GLM-4.5-Air (`glm4moe`, one dense layer, 128 experts + 1 shared, top-8, sigmoid routing
+  with a score bias, q/k/v biases, partial rotary). The released GGUF also carries one MTP layer (1.3 GB of
+  experts that decode never reads): not written.
+* `deepseek-v3`: DeepSeek-V3/R1 (`deepseek2`, three dense layers, 256 experts + 1 shared, top-8, MLA with a
+  q LoRA, sigmoid routing with a score bias, weights normalised and scaled by 2.5).
+* `llama-4-scout`: Llama-4-Scout-17B-16E (`llama4`, every layer MoE, 16 experts + 1 shared, top-1).
+* `mixtral-8x7b`: Mixtral-8x7B (`llama` with 8 experts, top-2; its FFN width is the expert's).
 
 Quantization is written, not computed: every quantization block gets a fixed, sane fp16 scale
 (and min for K-quants) and random quant bytes, chosen so the dequantized weights are near zero-mean
@@ -17,7 +28,12 @@ Types follow a Q4_K_M-like recipe with one simplification: routed experts Q4_K (
 weight; a tensor whose rows are not a multiple of 256 — ds-v2-lite's `ffn_down_exps`, rows of 1408 —
 gets Q4_0, also 4.5 bits, where llama-quantize would fall back to Q5_0), every other matrix Q8_0,
 norms and the router F32 (llama-quantize never quantizes those). `--expert-type q4_0` makes every
-expert Q4_0, as a Q4_0 GGUF has them.
+expert Q4_0, as a Q4_0 GGUF has them. gpt-oss's experts are MXFP4 (4.25 bits per weight, the released
+format; llama.cpp's converter keeps it), the rest of its matrices Q8_0 and its biases F32, which gives the
+released 12.1 GB file of gpt-oss-20b within 2%.
+
+Reduced files (`--layers`, `--experts`, `--vocab`) keep the real layout: the tensor names, types and every
+expert's shape; only the depth, the number of experts a layer has and the vocabulary shrink.
 
 The tokenizer is an SPM vocabulary that llama.cpp accepts: control tokens, all 256 byte tokens,
 single characters, the demo model's words (so English text tokenizes roughly word by word), padded
@@ -47,10 +63,10 @@ from moe_l2_gguf.vocabulary import CHAT_TEMPLATE, DOMAIN_WORDS, NEUTRAL_WORDS, S
 
 # ggml type ids and their (elements per block, bytes per block), as in ggml.h / gguf.constants;
 # kept here so sizes can be computed without importing gguf.
-F32, Q4_0, Q8_0, Q4_K = 0, 2, 8, 12
-TYPE_NAMES = {F32: "F32", Q4_0: "Q4_0", Q8_0: "Q8_0", Q4_K: "Q4_K"}
-BLOCK = {F32: (1, 4), Q4_0: (32, 18), Q8_0: (32, 34), Q4_K: (256, 144)}
-EXPERT_TYPES = {"q4_k": Q4_K, "q4_0": Q4_0}
+F32, Q4_0, Q8_0, Q4_K, MXFP4 = 0, 2, 8, 12, 39
+TYPE_NAMES = {F32: "F32", Q4_0: "Q4_0", Q8_0: "Q8_0", Q4_K: "Q4_K", MXFP4: "MXFP4"}
+BLOCK = {F32: (1, 4), Q4_0: (32, 18), Q8_0: (32, 34), Q4_K: (256, 144), MXFP4: (32, 17)}
+EXPERT_TYPES = {"q4_k": Q4_K, "q4_0": Q4_0, "mxfp4": MXFP4}
 
 _WEIGHT_STD = 0.02  # of the dequantized random weights: activations stay O(1) between the norms
 _POOL_BYTES = 4 * 1024 * 1024  # random blocks per quant type that every tensor's data is drawn from
@@ -100,14 +116,39 @@ class ModelShape:
     mla: Mla | None = None
     yarn: Yarn | None = None
     full_layers: int = 0  # the real depth, when n_layer was reduced
+    full_experts: int = 0  # the real expert count, when n_expert was reduced
+    expert_type: str = "q4_k"  # the routed experts' type in the file people run (gpt-oss: mxfp4)
+    qk_norm: bool = False  # per-head q and k norms (qwen3moe)
+    attn_bias: bool = False  # q, k and v biases (gpt-oss, glm4moe)
+    attn_out_bias: bool = False  # an output projection bias (gpt-oss)
+    attn_sinks: bool = False  # one learned sink logit a head (gpt-oss)
+    post_attn_norm: bool = False  # the FFN's input norm is `post_attention_norm` (gpt-oss, glm4moe)
+    router_bias: bool = False  # ffn_gate_inp.bias (gpt-oss)
+    expert_bias: bool = False  # ffn_{gate,up,down}_exps.bias, one row an expert (gpt-oss)
+    score_bias: bool = False  # exp_probs_b: sigmoid routing's selection bias (glm4moe, deepseek-v3)
+    gating: int = 0  # expert_gating_func written: 0 none (the arch's default), 1 softmax, 2 sigmoid
+    weights_norm: bool = False  # the chosen experts' weights normalised to sum 1
+    weights_scale: float = 0.0  # and scaled (deepseek-v3: 2.5); 0: not written
+    rope_dim: int = 0  # rotary dimensions when not the whole head (glm4moe: 64 of 128)
+    sliding_window: int = 0  # gpt-oss: 128 on every other layer
 
     @property
     def moe_layers(self) -> range:
         return range(self.n_dense_lead, self.n_layer)
 
-    def reduced(self, n_layer: int | None = None, n_vocab: int | None = None) -> ModelShape:
-        """A variant with fewer layers (the first n_layer) and/or another vocabulary size, for tests."""
+    def reduced(
+        self, n_layer: int | None = None, n_vocab: int | None = None, n_expert: int | None = None
+    ) -> ModelShape:
+        """A variant with fewer layers (the first n_layer), fewer experts a layer and/or another vocabulary
+        size, for tests: every expert keeps its real shape and type."""
         changes: dict[str, Any] = {}
+        if n_expert is not None and n_expert != self.n_expert:
+            if not self.n_expert_used < n_expert <= self.n_expert:
+                raise ValueError(
+                    f"--experts for {self.name} must be in {self.n_expert_used + 1}..{self.n_expert} "
+                    f"(more than the {self.n_expert_used} a token uses)"
+                )
+            changes.update(n_expert=n_expert, full_experts=self.full_experts or self.n_expert)
         if n_layer is not None and n_layer != self.n_layer:
             if not self.n_dense_lead < n_layer <= self.n_layer:
                 raise ValueError(
@@ -121,6 +162,18 @@ class ModelShape:
             changes["n_vocab"] = n_vocab
         return replace(self, **changes) if changes else self
 
+
+# gpt-oss's layout (llama.cpp's LLM_ARCH_OPENAI_MOE): biases everywhere, sinks, MXFP4 experts
+_GPT_OSS: dict[str, Any] = dict(
+    expert_type="mxfp4",
+    attn_bias=True,
+    attn_out_bias=True,
+    attn_sinks=True,
+    post_attn_norm=True,
+    router_bias=True,
+    expert_bias=True,
+    sliding_window=128,
+)
 
 SHAPES: dict[str, ModelShape] = {
     # deepseek-ai/DeepSeek-V2-Lite config.json
@@ -166,6 +219,172 @@ SHAPES: dict[str, ModelShape] = {
         n_ctx_train=40960,
         rope_freq_base=1000000.0,
         rms_eps=1e-6,
+        qk_norm=True,
+    ),
+    # Qwen/Qwen3-235B-A22B config.json
+    "qwen3-235b-a22b": ModelShape(
+        name="qwen3-235b-a22b",
+        arch="qwen3moe",
+        source="Qwen/Qwen3-235B-A22B",
+        n_layer=94,
+        n_dense_lead=0,
+        n_expert=128,
+        n_expert_used=8,
+        n_expert_shared=0,
+        n_embd=4096,
+        n_ff=12288,
+        n_ff_exp=1536,
+        n_head=64,
+        n_head_kv=4,
+        head_dim=128,
+        n_vocab=151936,
+        n_ctx_train=40960,
+        rope_freq_base=1000000.0,
+        rms_eps=1e-6,
+        qk_norm=True,
+    ),
+    # openai/gpt-oss-20b config.json
+    "gpt-oss-20b": ModelShape(
+        name="gpt-oss-20b",
+        arch="gpt-oss",
+        source="openai/gpt-oss-20b",
+        n_layer=24,
+        n_dense_lead=0,
+        n_expert=32,
+        n_expert_used=4,
+        n_expert_shared=0,
+        n_embd=2880,
+        n_ff=2880,
+        n_ff_exp=2880,
+        n_head=64,
+        n_head_kv=8,
+        head_dim=64,
+        n_vocab=201088,
+        n_ctx_train=131072,
+        rope_freq_base=150000.0,
+        rms_eps=1e-5,
+        yarn=Yarn(factor=32.0, original_context=4096, mscale_all_dim=0.0),
+        **_GPT_OSS,
+    ),
+    # openai/gpt-oss-120b config.json
+    "gpt-oss-120b": ModelShape(
+        name="gpt-oss-120b",
+        arch="gpt-oss",
+        source="openai/gpt-oss-120b",
+        n_layer=36,
+        n_dense_lead=0,
+        n_expert=128,
+        n_expert_used=4,
+        n_expert_shared=0,
+        n_embd=2880,
+        n_ff=2880,
+        n_ff_exp=2880,
+        n_head=64,
+        n_head_kv=8,
+        head_dim=64,
+        n_vocab=201088,
+        n_ctx_train=131072,
+        rope_freq_base=150000.0,
+        rms_eps=1e-5,
+        yarn=Yarn(factor=32.0, original_context=4096, mscale_all_dim=0.0),
+        **_GPT_OSS,
+    ),
+    # zai-org/GLM-4.5-Air config.json (46 layers; the MTP layer is not written)
+    "glm-4.5-air": ModelShape(
+        name="glm-4.5-air",
+        arch="glm4moe",
+        source="zai-org/GLM-4.5-Air",
+        n_layer=46,
+        n_dense_lead=1,
+        n_expert=128,
+        n_expert_used=8,
+        n_expert_shared=1,
+        n_embd=4096,
+        n_ff=10944,
+        n_ff_exp=1408,
+        n_head=96,
+        n_head_kv=8,
+        head_dim=128,
+        n_vocab=151552,
+        n_ctx_train=131072,
+        rope_freq_base=1000000.0,
+        rms_eps=1e-5,
+        attn_bias=True,
+        post_attn_norm=True,
+        score_bias=True,
+        gating=2,
+        weights_norm=True,
+        weights_scale=1.0,
+        rope_dim=64,
+    ),
+    # deepseek-ai/DeepSeek-V3 config.json (R1 has the same shape)
+    "deepseek-v3": ModelShape(
+        name="deepseek-v3",
+        arch="deepseek2",
+        source="deepseek-ai/DeepSeek-V3",
+        n_layer=61,
+        n_dense_lead=3,
+        n_expert=256,
+        n_expert_used=8,
+        n_expert_shared=1,
+        n_embd=7168,
+        n_ff=18432,
+        n_ff_exp=2048,
+        n_head=128,
+        n_head_kv=1,
+        head_dim=0,
+        n_vocab=129280,
+        n_ctx_train=163840,
+        rope_freq_base=10000.0,
+        rms_eps=1e-6,
+        mla=Mla(q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128),
+        yarn=Yarn(factor=40.0, original_context=4096, mscale_all_dim=1.0),
+        score_bias=True,
+        gating=2,
+        weights_norm=True,
+        weights_scale=2.5,
+    ),
+    # meta-llama/Llama-4-Scout-17B-16E config.json (text_config)
+    "llama-4-scout": ModelShape(
+        name="llama-4-scout",
+        arch="llama4",
+        source="meta-llama/Llama-4-Scout-17B-16E",
+        n_layer=48,
+        n_dense_lead=0,
+        n_expert=16,
+        n_expert_used=1,
+        n_expert_shared=1,
+        n_embd=5120,
+        n_ff=16384,
+        n_ff_exp=8192,
+        n_head=40,
+        n_head_kv=8,
+        head_dim=128,
+        n_vocab=202048,
+        n_ctx_train=10485760,
+        rope_freq_base=500000.0,
+        rms_eps=1e-5,
+    ),
+    # mistralai/Mixtral-8x7B-v0.1 config.json: llama.cpp's `llama` arch with experts
+    "mixtral-8x7b": ModelShape(
+        name="mixtral-8x7b",
+        arch="llama",
+        source="mistralai/Mixtral-8x7B-v0.1",
+        n_layer=32,
+        n_dense_lead=0,
+        n_expert=8,
+        n_expert_used=2,
+        n_expert_shared=0,
+        n_embd=4096,
+        n_ff=14336,
+        n_ff_exp=14336,
+        n_head=32,
+        n_head_kv=8,
+        head_dim=128,
+        n_vocab=32000,
+        n_ctx_train=32768,
+        rope_freq_base=1000000.0,
+        rms_eps=1e-5,
     ),
 }
 
@@ -213,8 +432,10 @@ def _expert_type(requested: int, row: int) -> int:
     return requested
 
 
-def tensor_plan(shape: ModelShape, expert_type: str = "q4_k") -> list[TensorPlan]:
-    """Every tensor of the model, in file order, with its llama.cpp name, shape and type."""
+def tensor_plan(shape: ModelShape, expert_type: str | None = None) -> list[TensorPlan]:
+    """Every tensor of the model, in file order, with its llama.cpp name, shape and type; expert_type None:
+    the shape's own (q4_k, gpt-oss's mxfp4)."""
+    expert_type = expert_type or shape.expert_type
     if expert_type not in EXPERT_TYPES:
         raise ValueError(f"unknown expert type {expert_type!r}; known: {', '.join(EXPERT_TYPES)}")
     et = EXPERT_TYPES[expert_type]
@@ -229,34 +450,64 @@ def tensor_plan(shape: ModelShape, expert_type: str = "q4_k") -> list[TensorPlan
         add("attn_norm.weight", (s.n_embd,), F32, "norm")
         if s.arch == "deepseek2":
             _deepseek2_attention(s, add)
-        elif s.arch == "qwen3moe":
-            q_dim, kv_dim = s.n_head * s.head_dim, s.n_head_kv * s.head_dim
-            add("attn_q.weight", (s.n_embd, q_dim))
-            add("attn_k.weight", (s.n_embd, kv_dim))
-            add("attn_v.weight", (s.n_embd, kv_dim))
-            add("attn_output.weight", (q_dim, s.n_embd))
-            add("attn_q_norm.weight", (s.head_dim,), F32, "norm")
-            add("attn_k_norm.weight", (s.head_dim,), F32, "norm")
+        elif s.arch in _GQA_ARCHS:
+            _gqa_attention(s, add)
         else:
             raise ValueError(f"no tensor layout for arch {s.arch!r}")
-        add("ffn_norm.weight", (s.n_embd,), F32, "norm")
+        add("post_attention_norm.weight" if s.post_attn_norm else "ffn_norm.weight", (s.n_embd,), F32, "norm")
         if il < s.n_dense_lead:
             add("ffn_gate.weight", (s.n_embd, s.n_ff))
             add("ffn_up.weight", (s.n_embd, s.n_ff))
             add("ffn_down.weight", (s.n_ff, s.n_embd))
             continue
-        add("ffn_gate_inp.weight", (s.n_embd, s.n_expert), F32, "router")
-        add("ffn_gate_exps.weight", (s.n_embd, s.n_ff_exp, s.n_expert), _expert_type(et, s.n_embd), "expert")
-        add("ffn_up_exps.weight", (s.n_embd, s.n_ff_exp, s.n_expert), _expert_type(et, s.n_embd), "expert")
-        add("ffn_down_exps.weight", (s.n_ff_exp, s.n_embd, s.n_expert), _expert_type(et, s.n_ff_exp), "expert")
-        if s.n_expert_shared:
-            n_ff_sh = s.n_ff_exp * s.n_expert_shared
-            add("ffn_gate_shexp.weight", (s.n_embd, n_ff_sh))
-            add("ffn_up_shexp.weight", (s.n_embd, n_ff_sh))
-            add("ffn_down_shexp.weight", (n_ff_sh, s.n_embd))
+        _moe_ffn(s, add, et)
     plan.append(TensorPlan("output_norm.weight", (s.n_embd,), F32, "norm"))
     plan.append(TensorPlan("output.weight", (s.n_embd, s.n_vocab), Q8_0, "weight"))
     return plan
+
+
+_GQA_ARCHS = ("qwen3moe", "gpt-oss", "glm4moe", "llama4", "llama")
+
+
+def _gqa_attention(s: ModelShape, add: Any) -> None:
+    # llama.cpp's create_tensor_qkv with separate q, k and v, as every converter here writes them
+    q_dim, kv_dim = s.n_head * s.head_dim, s.n_head_kv * s.head_dim
+    add("attn_q.weight", (s.n_embd, q_dim))
+    add("attn_k.weight", (s.n_embd, kv_dim))
+    add("attn_v.weight", (s.n_embd, kv_dim))
+    if s.attn_bias:
+        add("attn_q.bias", (q_dim,), F32, "bias")
+        add("attn_k.bias", (kv_dim,), F32, "bias")
+        add("attn_v.bias", (kv_dim,), F32, "bias")
+    add("attn_output.weight", (q_dim, s.n_embd))
+    if s.attn_out_bias:
+        add("attn_output.bias", (s.n_embd,), F32, "bias")
+    if s.qk_norm:
+        add("attn_q_norm.weight", (s.head_dim,), F32, "norm")
+        add("attn_k_norm.weight", (s.head_dim,), F32, "norm")
+    if s.attn_sinks:
+        add("attn_sinks.weight", (s.n_head,), F32, "bias")
+
+
+def _moe_ffn(s: ModelShape, add: Any, et: int) -> None:
+    add("ffn_gate_inp.weight", (s.n_embd, s.n_expert), F32, "router")
+    if s.router_bias:
+        add("ffn_gate_inp.bias", (s.n_expert,), F32, "router")
+    if s.score_bias:
+        add("exp_probs_b.bias", (s.n_expert,), F32, "router")
+    add("ffn_gate_exps.weight", (s.n_embd, s.n_ff_exp, s.n_expert), _expert_type(et, s.n_embd), "expert")
+    add("ffn_up_exps.weight", (s.n_embd, s.n_ff_exp, s.n_expert), _expert_type(et, s.n_embd), "expert")
+    add("ffn_down_exps.weight", (s.n_ff_exp, s.n_embd, s.n_expert), _expert_type(et, s.n_ff_exp), "expert")
+    if s.expert_bias:
+        # one row an expert, F32: they stay on the device with the cache (the engine maps `.weight` only)
+        add("ffn_gate_exps.bias", (s.n_ff_exp, s.n_expert), F32, "expert_bias")
+        add("ffn_up_exps.bias", (s.n_ff_exp, s.n_expert), F32, "expert_bias")
+        add("ffn_down_exps.bias", (s.n_embd, s.n_expert), F32, "expert_bias")
+    if s.n_expert_shared:
+        n_ff_sh = s.n_ff_exp * s.n_expert_shared
+        add("ffn_gate_shexp.weight", (s.n_embd, n_ff_sh))
+        add("ffn_up_shexp.weight", (s.n_embd, n_ff_sh))
+        add("ffn_down_shexp.weight", (n_ff_sh, s.n_embd))
 
 
 def _deepseek2_attention(s: ModelShape, add: Any) -> None:
@@ -284,13 +535,13 @@ class SizeReport:
 
     n_params: int
     tensor_bytes: int
-    routed_bytes: int  # all routed experts
-    expert_bytes: int  # one routed expert of one MoE layer (gate + up + down)
+    routed_bytes: int  # all routed experts' weights
+    expert_bytes: int  # one routed expert of one MoE layer (gate + up + down weights)
     other_bytes: int
     types: dict[str, int] = field(default_factory=dict)  # type name -> bytes
 
 
-def sizes(shape: ModelShape, expert_type: str = "q4_k") -> SizeReport:
+def sizes(shape: ModelShape, expert_type: str | None = None) -> SizeReport:
     plan = tensor_plan(shape, expert_type)
     experts = [t for t in plan if t.role == "expert"]
     routed = sum(t.nbytes for t in experts)
@@ -393,6 +644,10 @@ def block_pool(rng: np.random.Generator, ggml_type: int, n_bytes: int = _POOL_BY
         d = _WEIGHT_STD / 258.0
         raw[:, 0:2] = np.full(n_blocks, d, dtype="<f2").view(np.uint8).reshape(-1, 2)
         raw[:, 2:4] = np.full(n_blocks, 7.5 * d, dtype="<f2").view(np.uint8).reshape(-1, 2)
+    elif ggml_type == MXFP4:
+        # E2M1 values (0, +-1, +-2, +-3, +-4, +-6, +-8, +-12; std ~5.85) times 2^(e - 128) with the E8M0
+        # byte e = 120: std ~0.023
+        raw[:, 0] = 120
     else:
         raise ValueError(f"no block pool for type {TYPE_NAMES.get(ggml_type, ggml_type)}")
     return raw.reshape(-1)
@@ -414,7 +669,7 @@ def _quant_chunks(rng: np.random.Generator, pool: np.ndarray, ggml_type: int, n_
 def _f32_data(rng: np.random.Generator, t: TensorPlan) -> bytes:
     if t.role == "norm":
         return np.ones(t.n_elements, dtype="<f4").tobytes()
-    # the router: random logits of O(1), so every token picks some top-k of the experts
+    # the router (and biases, sinks): small random values, so every token picks some top-k of the experts
     return (rng.standard_normal(t.n_elements) * _WEIGHT_STD).astype("<f4").tobytes()
 
 
@@ -434,11 +689,12 @@ def write_shape_model(
     shape: ModelShape,
     *,
     seed: int = 0,
-    expert_type: str = "q4_k",
+    expert_type: str | None = None,
     progress: bool | None = None,
 ) -> WriteResult:
     """Write a random-weight model of `shape` to `path`, streaming; progress None: a bar on a TTY."""
     path = Path(path)
+    expert_type = expert_type or shape.expert_type
     plan = tensor_plan(shape, expert_type)
     total = sum(t.nbytes for t in plan)
     ensure_parent(path)
@@ -513,9 +769,11 @@ def _add_metadata(w: Any, s: ModelShape, expert_type: str) -> None:
     import gguf
 
     depth = f", first {s.n_layer} of {s.full_layers} layers" if s.full_layers else ""
+    depth += f", {s.n_expert} of {s.full_experts} experts a layer" if s.full_experts else ""
     w.add_name(f"{s.name}-shape")
     w.add_description(f"moe-l2 model shape of {s.source}{depth}: random weights, for speed and byte counts")
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M if expert_type == "q4_k" else gguf.LlamaFileType.MOSTLY_Q4_0)
+    file_types = {"q4_k": "MOSTLY_Q4_K_M", "q4_0": "MOSTLY_Q4_0", "mxfp4": "MOSTLY_MXFP4_MOE"}
+    w.add_file_type(getattr(gguf.LlamaFileType, file_types[expert_type]))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     w.add_block_count(s.n_layer)
     w.add_context_length(s.n_ctx_train)
@@ -541,17 +799,22 @@ def _add_metadata(w: Any, s: ModelShape, expert_type: str) -> None:
         w.add_key_length_mla(m.qk_nope_head_dim + m.qk_rope_head_dim)
         w.add_value_length_mla(m.v_head_dim)
         w.add_expert_shared_count(s.n_expert_shared)
-        w.add_expert_weights_scale(1.0)
+        if not s.weights_scale:
+            w.add_expert_weights_scale(1.0)
         w.add_rope_dimension_count(m.qk_rope_head_dim)
     else:
         w.add_key_length(s.head_dim)
         w.add_value_length(s.head_dim)
+        if s.rope_dim:
+            w.add_rope_dimension_count(s.rope_dim)
+    _add_moe_metadata(w, s)
     if s.yarn is not None:
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(s.yarn.factor)
         w.add_rope_scaling_orig_ctx_len(s.yarn.original_context)
-        # the converter's (legacy) 0.1 factor, which llama.cpp's deepseek2 loader divides out
-        w.add_rope_scaling_yarn_log_mul(0.1 * s.yarn.mscale_all_dim)
+        if s.arch == "deepseek2":
+            # the converter's (legacy) 0.1 factor, which llama.cpp's deepseek2 loader divides out
+            w.add_rope_scaling_yarn_log_mul(0.1 * s.yarn.mscale_all_dim)
 
     tokens, scores, types = build_vocab(s.n_vocab)
     w.add_tokenizer_model("llama")
@@ -567,6 +830,25 @@ def _add_metadata(w: Any, s: ModelShape, expert_type: str) -> None:
     w.add_chat_template(CHAT_TEMPLATE)
 
 
+def _add_moe_metadata(w: Any, s: ModelShape) -> None:
+    """The routing keys each arch's loader reads, as llama.cpp's converter writes them."""
+    import gguf
+
+    if s.arch == "glm4moe":
+        w.add_leading_dense_block_count(s.n_dense_lead)
+        w.add_expert_shared_count(s.n_expert_shared)
+    if s.arch == "llama4":
+        w.add_interleave_moe_layer_step(1)  # Scout: every layer MoE
+    if s.sliding_window:
+        w.add_sliding_window(s.sliding_window)
+    if s.gating:
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType(s.gating))
+    if s.weights_norm:
+        w.add_expert_weights_norm(True)
+    if s.weights_scale:
+        w.add_expert_weights_scale(s.weights_scale)
+
+
 # --- command line (`moe-l2 make-demo-model --shape NAME PATH`) -------------------------------------
 
 
@@ -574,10 +856,19 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
-def run_cli(path: Path, shape_name: str, *, layers: int | None, vocab: int | None, expert_type: str, seed: int) -> int:
+def run_cli(
+    path: Path,
+    shape_name: str,
+    *,
+    layers: int | None,
+    vocab: int | None,
+    expert_type: str | None,
+    seed: int,
+    experts: int | None = None,
+) -> int:
     """The --shape branch of make-demo-model: usage errors exit 2, write errors 1."""
     try:
-        shape = get_shape(shape_name).reduced(layers, vocab)
+        shape = get_shape(shape_name).reduced(layers, vocab, experts)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -591,7 +882,8 @@ def run_cli(path: Path, shape_name: str, *, layers: int | None, vocab: int | Non
     dense = f" ({shape.n_dense_lead} dense)" if shape.n_dense_lead else ""
     print(
         f"wrote {path} ({_gb(result.file_bytes)} in {result.seconds:.0f} s): {shape.arch} shape of {shape.source}, "
-        f"{shape.n_layer} layers{dense}, {shape.n_expert} experts top-{shape.n_expert_used}{shared}, "
+        f"{shape.n_layer} layers{dense}, {shape.n_expert} experts top-{shape.n_expert_used}{shared} "
+        f"({(expert_type or shape.expert_type).upper()}), "
         f"vocab {shape.n_vocab}; routed experts {_gb(report.routed_bytes)} "
         f"({report.expert_bytes / 1e6:.2f} MB each), the rest {_gb(report.other_bytes)}; seed {seed}; "
         f"peak RSS {result.peak_rss_bytes / 1e6:.0f} MB"
