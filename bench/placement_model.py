@@ -189,6 +189,8 @@ class Shape:
 KNOWN_SHAPES = {
     "ds-v2-lite": Shape("ds-v2-lite", 27, 26, 64, 6, 4_866_048, 1_403_992_064, 222_822_400),
     "qwen3-30b-a3b": Shape("qwen3-30b-a3b", 48, 48, 128, 8, 2_654_208, 1_674_993_664, 330_612_736),
+    # `make bench-gpu`'s second architecture (MXFP4 experts, biases)
+    "gpt-oss-20b": Shape("gpt-oss-20b", 24, 24, 32, 4, 13_219_200, 1_944_212_736, 615_329_280),
 }
 
 
@@ -212,6 +214,8 @@ class Machine:
     hbm_gbps: float | None = None  # the GPU's data-sheet memory bandwidth
     t_rt_s: float = T_RT_S
     sources: dict[str, str] = field(default_factory=dict)  # constant -> where it comes from
+    host_ram_bytes: float = 0.0  # the host's memory; 0: unbounded (every run of the bench fits it)
+    nvme_gbps: float = 0.0  # what the drive under the model reads experts at, where RAM cannot hold them
 
     @property
     def copy_latency_s(self) -> float:
@@ -485,6 +489,7 @@ def decode(shape: Shape, machine: Machine, pl: Placement, stats: CacheStats | No
             copies += pl.n_cache * crit
         link += pl.n_cache * (stats.misses + stats.prefetch) * t_x
     terms["PCIe copies"] = terms.get("PCIe copies", 0.0) + copies
+    terms["NVMe reads"] = page_cache_misses(shape, machine, pl) * shape.expert_bytes / nvme_bps(machine)
     est = Estimate(1, {k: v for k, v in terms.items() if v > 0})
     if pl.cpu_misses and link > est.total_s:
         est.total_s = link
@@ -523,7 +528,60 @@ def prompt(
         terms["PCIe copies"] = copy_s
     else:
         terms["PCIe copies"] = machine.bulk_copy_s(copied_bytes, pl.host)
-    return Estimate(n, terms)
+    terms["NVMe reads"] = copied_bytes * page_cache_miss_share(shape, machine, pl) / nvme_bps(machine)
+    return Estimate(n, {k: v for k, v in terms.items() if v > 0})
+
+
+# -- the host's memory: the page cache over the experts the host holds, the drive under it ---------------------
+
+HOST_RESERVE_BYTES = 8e9  # assumed: the OS, the server, its buffers: host memory the experts cannot have
+
+
+def host_held_bytes(shape: Shape, pl: Placement) -> int:
+    """Expert bytes the host holds: every MoE layer not wholly on the device (a cached layer's experts all stay
+    in host memory, the slots hold copies)."""
+    return (pl.n_cpu + pl.n_copy + pl.n_cache) * shape.layer_bytes
+
+
+def page_cache_share(shape: Shape, machine: Machine, pl: Placement) -> float:
+    """The share of each host-held layer's experts the host's memory keeps (1: all of them)."""
+    held = host_held_bytes(shape, pl)
+    if not machine.host_ram_bytes or held == 0:
+        return 1.0
+    return max(0.0, min(1.0, (machine.host_ram_bytes - HOST_RESERVE_BYTES) / held))
+
+
+def page_cache_misses(shape: Shape, machine: Machine, pl: Placement) -> float:
+    """Experts the host-held layers read from the drive a decode token, all of them together.
+
+    The page cache keeps the experts read most (an LRU over each layer's experts), so a stock host layer
+    misses like a cache of the page cache's share of the layer: the policy's replay at that share
+    (esft_stats); below a sixteenth of the layer, every use is a miss. An expert in one of a cached layer's
+    device slots is not read from the host while it is there, so the page cache ages it out: the device's
+    slots and the page cache add up, and a cached layer misses like a cache of both."""
+    share = page_cache_share(shape, machine, pl)
+    if share >= 1.0:
+        return 0.0
+    E, k = shape.n_expert, shape.top_k
+
+    def misses_at(slots: float) -> float:
+        if slots >= E:
+            return 0.0
+        if slots < E / 16:
+            return float(k)
+        return esft_stats(round(slots), k, E).misses
+
+    return (pl.n_cpu + pl.n_copy) * misses_at(share * E) + pl.n_cache * misses_at(pl.slots + share * E)
+
+
+def page_cache_miss_share(shape: Shape, machine: Machine, pl: Placement) -> float:
+    """Of the expert bytes a prompt reads from the host, the share that comes from the drive."""
+    host_layers = pl.n_cpu + pl.n_copy + pl.n_cache
+    return page_cache_misses(shape, machine, pl) / (host_layers * shape.top_k) if host_layers else 0.0
+
+
+def nvme_bps(machine: Machine) -> float:
+    return (machine.nvme_gbps or math.inf) * 1e9
 
 
 EXPERT_TENSORS = 3  # gate, up, down: the expert nodes of a layer, each a split of its own
@@ -1115,12 +1173,16 @@ def n_cpu_moe_layers(shape: Shape, budget: int) -> int:
 
 
 def design_rows(shape: Shape, machine: Machine, budget: int, label: str) -> list[Prediction]:
-    """At one device budget: the best stock row (c pinned), e as built, e+cpu, layers+cache (+cpu)."""
+    """At one device budget: the best stock row (c pinned), e as built, e+cpu, layers+cache (+cpu). Where the
+    host-held experts pass the host's memory, nothing can be pinned: every row copies from the mapping."""
     L, S = shape.n_moe, shape.expert_bytes
     out: list[Prediction] = []
     n = PROMPT_TOKENS[0]
 
     def add(row: str, what: str, pl: Placement, stats: CacheStats | None, note: str = "") -> None:
+        if page_cache_share(shape, machine, pl) < 1.0:
+            pl = replace(pl, host="mapped")
+            what += "; the mapping (over the host's memory: no pinning)"
         d, p = decode(shape, machine, pl, stats), prompt(shape, machine, pl, n, None, stats)
         out.append(
             Prediction(
@@ -1237,6 +1299,87 @@ def predictions_table(preds: Sequence[Prediction]) -> str:
         lines.append(
             f"| {p.machine} | {p.shape} | {p.budget} ({p.budget_bytes / 1e9:.2f} GB) | {p.row} | {p.what} "
             f"| {p.decode_tps:.1f} | {p.decode_bound} | {p.prompt_tps:.0f} | {p.prompt_bound} |"
+        )
+    return "\n".join(lines)
+
+
+# -- the real shapes (issue 43): each on the H200 and on the 24 GB desktop ------------------------------------
+
+REAL_SHAPES = (
+    "gpt-oss-20b",
+    "gpt-oss-120b",
+    "mixtral-8x7b",
+    "llama-4-scout",
+    "glm-4.5-air",
+    "qwen3-235b-a22b",
+    "deepseek-v3",
+)
+H200_DEVICE_BYTES = 139 * 2**30  # the lent H200's memory (the device tool: about 139 GiB)
+H200_HOST_RAM_BYTES = 128 * 2**30  # its host (the device tool: 128 GiB)
+CONSUMER_HOST_RAM_BYTES = 96e9  # assumed: 2 x 48 GB DDR5, the dual-channel desktop CONSUMER_CPU_GBPS assumes
+NVME_GBPS = 5.0  # assumed: a PCIe 4.0 NVMe drive (7 GB/s on its data sheet) reading 10-100 MB experts
+DEVICE_RESERVE_BYTES = 2 * 10**9  # the KV cache and compute buffers, as the 24 GB rows above
+
+
+def h200_for(shape: Shape, h200: Machine) -> Machine:
+    """The H200 with another shape: its per-layer overhead (measured on ds-v2-lite: the step less its weight
+    reads) times the shape's layers, plus the shape's weight reads at its bandwidth; the prompt's per-token
+    compute scaled by the weights a token reads. The host's 128 GiB and an NVMe drive under the model."""
+    ds = KNOWN_SHAPES["ds-v2-lite"]
+    bw = h200.hbm_gbps * HBM_EFFICIENCY * 1e9  # type: ignore[operator]
+    per_layer = (h200.gpu_token_s - ds.decode_read_bytes / bw) / ds.n_layer
+    return replace(
+        h200,
+        gpu_token_s=per_layer * shape.n_layer + shape.decode_read_bytes / bw,
+        gpu_prompt_fixed_s=h200.gpu_prompt_fixed_s * shape.n_layer / ds.n_layer,
+        gpu_prompt_token_s=h200.gpu_prompt_token_s * shape.decode_read_bytes / ds.decode_read_bytes,
+        host_ram_bytes=H200_HOST_RAM_BYTES,
+        nvme_gbps=NVME_GBPS,
+    )
+
+
+def real_shape_predictions() -> list[Prediction]:
+    """Each real shape with the whole card as its budget (the card less the dense weights and 2 GB), on the
+    H200 and on the 24 GB desktop: stock --n-cpu-moe against the project's default and the cache's rows."""
+    h200 = h200_machine()
+    out: list[Prediction] = []
+    for name in REAL_SHAPES:
+        shape = Shape.named(name)
+        for machine, card in (
+            (h200_for(shape, h200), H200_DEVICE_BYTES),
+            (
+                replace(consumer_machine(shape, h200), host_ram_bytes=CONSUMER_HOST_RAM_BYTES, nvme_gbps=NVME_GBPS),
+                24 * 10**9,
+            ),
+        ):
+            free = max(0, card - shape.other_bytes - DEVICE_RESERVE_BYTES)
+            out += design_rows(shape, machine, free, f"{card / 1e9:.0f} GB card")
+    return out
+
+
+def real_shapes_table(preds: Sequence[Prediction]) -> str:
+    """One line a shape and machine: the routed experts against the card's room, stock --n-cpu-moe (pinned,
+    or the mapping) against the project's default (auto) and the best of the cache's rows."""
+    lines = [
+        "| shape | machine | experts / room on the card | stock --n-cpu-moe tok/s | default (auto) tok/s | "
+        "auto / stock | best cache row | its tok/s | decode bound (auto) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    groups: dict[tuple[str, str], list[Prediction]] = {}
+    for p in preds:
+        groups.setdefault((p.shape, p.machine), []).append(p)
+    for (name, machine), rows in groups.items():
+        routed = Shape.named(name).routed_bytes
+        by = {r.row: r for r in rows}
+        auto = by.get("auto (engine)") or by["a"]
+        stock = by.get("cp") or by["a"]
+        cache = [r for r in rows if r.row.startswith(("e", "layers")) and r.decode_tps > 0]
+        best = max(cache, key=lambda r: r.decode_tps, default=auto)
+        short = "H200" if "H200" in machine else "24 GB desktop"
+        lines.append(
+            f"| {name} | {short} | {routed / 1e9:.1f} / {auto.budget_bytes / 1e9:.1f} GB | {stock.decode_tps:.1f} "
+            f"| {auto.decode_tps:.1f} | {auto.decode_tps / stock.decode_tps:.2f}x | {best.row} | "
+            f"{best.decode_tps:.1f} | {auto.decode_bound} |"
         )
     return "\n".join(lines)
 
@@ -1374,8 +1517,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.against or args.json:
         preds = predictions()
         doc["predictions"] = [asdict(p) for p in preds]
+        real = real_shape_predictions()
+        doc["real_shapes"] = [asdict(p) for p in real]
         if not args.against:
             print(predictions_table(preds))
+            print("\n## The real shapes (issue 43): the whole card as the budget\n")
+            print(real_shapes_table(real))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=2) + "\n")

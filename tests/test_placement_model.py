@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -323,3 +324,43 @@ def test_the_copies_ahead_are_predicted_to_beat_stock_prompts_on_the_h200(pm):
         assert by[(budget, "e+cpu+ahead")].prompt_tps > by[(budget, "cp")].prompt_tps
         assert by[(budget, "e+cpu+ahead")].prompt_tps > by[(budget, "e+cpu")].prompt_tps
         assert by[(budget, "e+cpu+ahead")].decode_tps > 1.1 * by[(budget, "cp")].decode_tps
+
+
+# -- the host's memory and the real shapes (issue 43) ------------------------------------------------------------
+
+
+def test_the_drive_is_read_only_where_the_host_cannot_hold_the_experts(pm, h200):
+    shape = pm.Shape.named("qwen3-235b-a22b")  # 127.7 GB of experts
+    big = replace(h200, host_ram_bytes=512e9, nvme_gbps=5.0)
+    small = replace(h200, host_ram_bytes=64e9, nvme_gbps=5.0)
+    stock = pm.Placement("cp", n_dev=10, n_cpu=shape.n_moe - 10)
+    assert pm.page_cache_misses(shape, big, stock) == 0.0
+    assert "NVMe reads" not in pm.decode(shape, big, stock).terms
+    misses = pm.page_cache_misses(shape, small, stock)
+    assert 0 < misses < stock.n_cpu * shape.top_k
+    slow = pm.decode(shape, small, stock)
+    assert slow.terms["NVMe reads"] == pytest.approx(misses * shape.expert_bytes / 5e9)
+    assert slow.tokens_per_s < pm.decode(shape, big, stock).tokens_per_s
+    # a cached layer's device slots and the page cache add up: fewer reads from the drive than without slots
+    few = pm.Placement("lc", n_cache=shape.n_moe, slots=8, cpu_misses=True)
+    many = pm.Placement("lc", n_cache=shape.n_moe, slots=32, cpu_misses=True)
+    assert pm.page_cache_misses(shape, small, many) < pm.page_cache_misses(shape, small, few)
+    # the runs of the bench have no host bound: the checked cells stay as they were
+    assert h200.host_ram_bytes == 0 and pm.page_cache_misses(shape, h200, stock) == 0.0
+
+
+def test_the_real_shapes_are_predicted_on_both_machines(pm):
+    preds = pm.real_shape_predictions()
+    pairs = {(p.shape, "H200" in p.machine) for p in preds}
+    assert pairs == {(name, h) for name in pm.REAL_SHAPES for h in (True, False)}
+    for p in preds:
+        assert p.row == "e" or (p.decode_tps > 0 and p.prompt_tps > 0), p
+    by = {(p.shape, "H200" in p.machine, p.row): p for p in preds}
+    # on the H200 everything but deepseek-v3 fits the card; deepseek-v3 does not fit its host either
+    assert by[("gpt-oss-120b", True, "a")].what.startswith("everything fits")
+    assert ("deepseek-v3", True, "a") not in by
+    assert "the mapping" in by[("deepseek-v3", True, "cp")].what
+    # the 24 GB card holds a third of gpt-oss-120b's experts: stock and the default both run
+    assert by[("gpt-oss-120b", False, "cp")].decode_tps > 0 and ("gpt-oss-120b", False, "auto (engine)") in by
+    table = pm.real_shapes_table(preds)
+    assert all(f"| {name} | H200 |" in table and f"| {name} | 24 GB desktop |" in table for name in pm.REAL_SHAPES)
