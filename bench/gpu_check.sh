@@ -11,6 +11,11 @@
 # few minutes (one H200, 16 cores, no network): every step is timed and has a hard timeout inside
 # --budget, and whatever was done comes back under $OUT (else bench/results/gpu_check/): at most 8
 # files, the log, steps.tsv, constants.json, offload_50/25/12.json, identity.json.
+# The second architecture: the full gpt-oss-20b shape (MXFP4 experts with biases, 32 experts,
+# top-4, the model's own router), its greedy identity and the rows a, b, cp, e, ea at 50%
+# (offload_gpt-oss.json, identity_gpt-oss.json: with 12.5% in --budgets that is 9 files, one over;
+# add --no-gpt-oss). The order puts what no GPU has measured first: 50%, gpt-oss's identity and
+# rows, ds-v2-lite's identity, then 25% in what time is left.
 #
 #   bench/gpu_check.sh                      the GPU check (needs nvidia-smi)
 #   bench/gpu_check.sh --llvmpipe           the same steps on Mesa's software Vulkan device, with a
@@ -24,7 +29,7 @@
 #   bench/gpu_check.sh --binary-only        ... and the binary: unpacked, its libraries found, --version
 # Options: --binary PATH (skip the build; PATH may end in .xz: unpacked into the work folder),
 # --binary-xz FILE (the same), --layers N (reduce the model), --budget SECONDS (whole check, default
-# 540), --budgets "50% 25%" (add 12.5% for 7 slots), --runs N, --tokens N, --no-identity.
+# 540), --budgets "50% 25%" (add 12.5% for 7 slots), --runs N, --tokens N, --no-identity, --no-gpt-oss.
 # Environment: GPU_CHECK_PYTHON (the interpreter; default .venv's, else python3), GPU_CHECK_WORK
 # (model, unpacked binary, server logs; default $TMPDIR/moe-l2-gpu-check), GPU_CHECK_BENCH_ARGS
 # (more arguments for every expert_offload run); for --prepare: PYTHON_VERSIONS ("3.12"), BASE=1
@@ -34,7 +39,7 @@ set -uo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO" || exit 1
 MODE=gpu BINARY="" LAYERS="" BUDGET=540 BUDGETS="50% 25%" RUNS="" TOKENS="" IDENTITY=1 SETUP_ONLY=0
-BINARY_ONLY=0
+BINARY_ONLY=0 GPT_OSS=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --llvmpipe) MODE=llvmpipe ;;
@@ -49,6 +54,7 @@ while [ $# -gt 0 ]; do
     --runs) RUNS=$2; shift ;;
     --tokens) TOKENS=$2; shift ;;
     --no-identity) IDENTITY=0 ;;
+    --no-gpt-oss) GPT_OSS=0 ;;
     -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     *) echo "error: unknown option $1 (see $0 --help)" >&2; exit 2 ;;
   esac
@@ -127,10 +133,10 @@ run_step() {
 }
 
 # A benchmark killed past its timeout's grace leaves its servers (own sessions) behind, holding
-# device memory and cores the next step needs: end those, found by this run's model path.
+# device memory and cores the next step needs: end those, found by this run's model paths.
 reap() {
   local pids
-  pids=$(pgrep -f -- "--model $MODEL" || true)
+  pids=$(pgrep -f -- "--model ($MODEL|$OSS_MODEL)" || true)
   [ -z "$pids" ] && return 0
   say "ending servers left behind: $(echo "$pids" | tr '\n' ' ')"
   for pid in $pids; do kill "$pid" 2>/dev/null; done
@@ -195,7 +201,15 @@ if [ "$MODE" != gpu ] && [ -z "$LAYERS" ]; then LAYERS=4; fi
 MODEL="$WORK/ds-v2-lite${LAYERS:+-$LAYERS}.gguf"
 SHAPE_ARGS=(--shape ds-v2-lite)
 [ -n "$LAYERS" ] && SHAPE_ARGS+=(--layers "$LAYERS" --vocab 8192)
-MODEL_PID=""
+# the second architecture: gpt-oss-20b (12.1 GB, as released), 2 layers in a rehearsal
+OSS_MODEL="$WORK/gpt-oss-20b${LAYERS:+-2}.gguf"
+OSS_ARGS=(--shape gpt-oss-20b)
+[ -n "$LAYERS" ] && OSS_ARGS+=(--layers 2 --vocab 8192)
+MODEL_PID="" OSS_PID=""
+if [ "$GPT_OSS" = 1 ] && [ ! -f "$OSS_MODEL" ] && [ "$BINARY_ONLY" = 0 ]; then
+  run_step model-gpt-oss 200 "$PY" -m moe_l2_ops.cli make-demo-model "${OSS_ARGS[@]}" "$OSS_MODEL" &
+  OSS_PID=$!
+fi
 if [ -f "$MODEL" ]; then
   say "model: $MODEL (already there)"
 elif [ "$BINARY_ONLY" = 0 ]; then
@@ -285,6 +299,9 @@ run_step version 60 "$BINARY" --version || { say "error: $BINARY does not run (s
 if [ -n "$MODEL_PID" ]; then
   wait "$MODEL_PID" || { say "error: the model was not written (see $LOG)"; finish 1; }
 fi
+if [ -n "$OSS_PID" ] && ! wait "$OSS_PID"; then
+  say "the gpt-oss model was not written (see $LOG): its steps are left out"; GPT_OSS=0
+fi
 
 # -- 4. the machine's constants, before any server holds the device ---------------------------------
 run_step constants 60 "$PY" bench/gpu_facts.py constants --out "$OUT_DIR/constants.json"
@@ -306,6 +323,8 @@ if [ "$MODE" = gpu ]; then
   ID_ARGS=(--prompts 6 --tokens 48 --slots "7,32")
   # caps per step (s): 50% has 11 rows and 2 -np 4 servers, 25% (and 12.5% if asked) 9 rows; identity 7
   CAPS=(230 130 90) ID_CAP=110
+  # gpt-oss: identity on 2 prompts x 32 tokens at 8 and 16 of 32 slots; 5 rows of 1 run x 32 tokens
+  OSS_ID_ARGS=(--prompts 2 --tokens 32 --slots "8,16") OSS_RUN=(--runs 1 --tokens 32) OSS_ID_CAP=70 OSS_CAP=100
 else
   # The rehearsals (llvmpipe, RPC): one short run of each config, on 2 cores. llvmpipe's MUL_MAT_ID
   # faults on batches of 3-8 rows (docs/test-bed.md): 10-word prompts there (11 tokens and more; 2 words
@@ -320,6 +339,7 @@ else
   ID_ARGS=(--prompts 2 --tokens 4 --prompt-words "$WORDS" --slots "7,32")
   [ "$MODE" = llvmpipe ] && ID_ARGS=(--prompts 2 --tokens 4 --prompt-words "$WORDS" --slots "32")
   CAPS=(600 600 600) ID_CAP=600
+  OSS_ID_ARGS=(--prompts 2 --tokens 4 --prompt-words "$WORDS" --slots "8,16") OSS_RUN=() OSS_ID_CAP=600 OSS_CAP=600
   # llvmpipe on one thread (docs/test-bed.md) warms 11 servers up in ~7 min on 2 cores: a rehearsal's steps
   # get the time they need (with --budget to match); the GPU's caps above are what the lent machine runs
   [ "$MODE" = llvmpipe ] && CAPS=(1500 1000 1000) ID_CAP=900
@@ -355,20 +375,33 @@ run_budget() {  # run_budget SHARE CAP: one expert_offload run; the first budget
     --out "$OUT_DIR/offload_$name.json" "${EXTRA[@]}"
   reap
 }
+# gpt-oss: the model's own router (the ESFT trace is DeepSeek-V2-Lite's 64 experts and top-6), so the
+# rows measure the mechanisms on near-uniform routing, the cache's worst case
+run_gpt_oss() {
+  [ "$GPT_OSS" = 1 ] || return 0
+  if [ "$IDENTITY" = 1 ]; then
+    run_step identity-gpt-oss "$OSS_ID_CAP" "$PY" bench/gpu_identity.py --binary "$BINARY" --model "$OSS_MODEL" \
+      --backend "$BACKEND" "${OSS_ID_ARGS[@]}" --log-dir "$WORK/logs/identity_gpt-oss" \
+      --out "$OUT_DIR/identity_gpt-oss.json"
+    reap
+  fi
+  run_step bench-gpt-oss "$OSS_CAP" "$PY" bench/expert_offload.py "${COMMON[@]}" --model "$OSS_MODEL" \
+    "${OSS_RUN[@]}" --cache-bytes 50% --configs a,b,cp,e,ea --trace none --log-dir "$WORK/logs/offload_gpt-oss" \
+    --out "$OUT_DIR/offload_gpt-oss.json" "${EXTRA[@]}"
+  reap
+}
 read -r -a SHARES <<<"$BUDGETS"
 for share in "${SHARES[@]}"; do
   run_budget "$share" "${CAPS[$i]:-100}"
   i=$((i + 1))
-  if [ "$i" -eq 2 ] && [ "$IDENTITY" = 1 ]; then  # identity after the two budgets the targets name
-    run_step identity "$ID_CAP" "$PY" bench/gpu_identity.py --binary "$BINARY" --model "$MODEL" \
-      --backend "$BACKEND" "${ID_ARGS[@]}" --log-dir "$WORK/logs/identity" --out "$OUT_DIR/identity.json"
-    reap
+  if [ "$i" -eq 1 ]; then  # what no GPU has measured before the second budget: gpt-oss, then identity
+    run_gpt_oss
+    if [ "$IDENTITY" = 1 ]; then
+      run_step identity "$ID_CAP" "$PY" bench/gpu_identity.py --binary "$BINARY" --model "$MODEL" \
+        --backend "$BACKEND" "${ID_ARGS[@]}" --log-dir "$WORK/logs/identity" --out "$OUT_DIR/identity.json"
+      reap
+    fi
   fi
 done
-if [ "$i" -lt 2 ] && [ "$IDENTITY" = 1 ]; then
-  run_step identity "$ID_CAP" "$PY" bench/gpu_identity.py --binary "$BINARY" --model "$MODEL" \
-    --backend "$BACKEND" "${ID_ARGS[@]}" --log-dir "$WORK/logs/identity" --out "$OUT_DIR/identity.json"
-  reap
-fi
 FAILED=$(awk -F'\t' 'NR > 1 && $3 != 0 {n++} END {print n + 0}' "$STEPS")
 finish $((FAILED > 0))
