@@ -1182,7 +1182,7 @@ def design_rows(shape: Shape, machine: Machine, budget: int, label: str) -> list
     def add(row: str, what: str, pl: Placement, stats: CacheStats | None, note: str = "") -> None:
         if page_cache_share(shape, machine, pl) < 1.0:
             pl = replace(pl, host="mapped")
-            what += "; the mapping (over the host's memory: no pinning)"
+            what = what.replace(" pinned", "") + "; from the mapping (more than the host's memory: none pinned)"
         d, p = decode(shape, machine, pl, stats), prompt(shape, machine, pl, n, None, stats)
         out.append(
             Prediction(
