@@ -466,6 +466,28 @@ def test_repacked_fused_experts_are_named_as_the_reason_for_no_cache(
     assert "repacked for the CPU's own kernels" in log and "start with --no-repack" in log, log[-3000:]
 
 
+@pytest.mark.parametrize("budget", ["64M", "auto"])
+def test_a_dense_model_with_the_cache_flags_is_one_line_and_serves(
+    rpc_device: RpcDevice, tmp_path: Path, budget: str
+) -> None:
+    """A dense model (Mixtral's attention with a plain FFN, no experts) given the cache's flags: one line says
+    the model has no routed experts, and the server answers as without them."""
+    from dataclasses import replace
+
+    from moe_l2_gguf.model_shapes import SHAPES, write_shape_model
+
+    dense = replace(SHAPES["mixtral-8x7b"], n_layer=1, n_dense_lead=1, n_expert=0, n_expert_used=0, n_ff=2048)
+    model = write_shape_model(tmp_path / "dense.gguf", dense.reduced(n_vocab=8192), progress=False).path
+    with serve(rpc_device, model, settings(budget=budget), tmp_path, f"dense-{budget}") as (client, log_path):
+        assert client.get("/moe/cache").status_code == 501  # no cache
+        assert len(greedy(client).tokens[0]) > 0
+    lines = [line for line in log_path.read_text(errors="replace").splitlines() if "no routed experts" in line]
+    assert len(lines) == 1, lines
+    assert ("expert cache off: the model has no routed experts" if budget != "auto" else "to place: no cache") in lines[
+        0
+    ]
+
+
 @pytest.fixture(scope="session")
 def mtp_model(rpc_binary: Path, tmp_path_factory: pytest.TempPathFactory) -> ArchModel:
     """deepseek2's random model with one MTP (nextn) layer after its own, with experts of its own (patch 0026's
