@@ -1,7 +1,7 @@
 """Expert-affinity routing on real routing: which llama replica each request of the ESFT traces goes
 to under each gateway policy, and how much of its experts that replica's hot set holds.
 
-The traces (../shared/data/routing/deepseek-ai__ESFT: DeepSeek-V2-Lite, 64 routed experts, top-6,
+The traces (bench/data/routing/deepseek-ai__ESFT: DeepSeek-V2-Lite, 64 routed experts, top-6,
 26 MoE layers, 4 domains) are split by sequence: even sequences build each domain's table, odd ones
 are the requests. The requests arrive with `--concurrency` in flight, each lasting its token count
 (a random order, `--seed`), and the gateway's own policies (moe_l2_proxy.routing, affinity with

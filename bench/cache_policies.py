@@ -2,7 +2,7 @@
 
 Sources (each optional but ESFT; a missing one is reported and skipped):
 - esft: per-token traces of a DeepSeek-V2-Lite-class model (26 MoE layers, 64 experts, top-6),
-  4 labelled domains (../shared/data/routing/deepseek-ai__ESFT, or MOE_L2_ROUTING_DATA);
+  4 labelled domains (bench/data/routing/deepseek-ai__ESFT, or MOE_L2_ROUTING_DATA);
 - mixtral: decode traces of Mixtral-8x7B-Instruct (32 layers, 8 experts, top-2), code and math;
 - demo: the demo model's per-token traces captured from the real patched llama-server
   (bench/capture_demo_traces.py; captured now if the file is missing and the server can be built).
@@ -89,9 +89,10 @@ LIFT_SWEEP = (2.0, 2.6, 3.2, 3.8, 4.4, 5.4)
 
 
 def routing_data_dir() -> Path:
-    """The routing data handed to the project: MOE_L2_ROUTING_DATA, else ../shared/data/routing."""
-    env = os.environ.get("MOE_L2_ROUTING_DATA")
-    return Path(env) if env else ROOT.parent / "shared" / "data" / "routing"
+    """The routing data: the project's bench/data/routing, or MOE_L2_ROUTING_DATA (bench/data_paths.py)."""
+    import data_paths
+
+    return data_paths.routing_data()
 
 
 # -- sources ----------------------------------------------------------------------------------

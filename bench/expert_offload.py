@@ -1179,9 +1179,11 @@ def resolve_model(args: argparse.Namespace, tmp: Path) -> tuple[Path, dict]:
 
 
 def esft_npz() -> Path:
-    """The ESFT routing npz: under MOE_L2_ROUTING_DATA, else ../shared/data/routing beside the repo."""
-    data = Path(os.environ.get("MOE_L2_ROUTING_DATA") or REPO.parent / "shared" / "data" / "routing")
-    return data / "deepseek-ai__ESFT" / "esft_routing_ids_DERIVED.npz"
+    """The ESFT routing npz (bench/data_paths.py: the project's copy, or MOE_L2_ROUTING_DATA's)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import data_paths
+
+    return data_paths.esft_npz()
 
 
 def resolve_trace(args: argparse.Namespace, binary: Path, layout: ExpertLayout, tmp: Path) -> tuple[Path | None, str]:

@@ -23,7 +23,7 @@
 #   bench/gpu_check.sh --rpc                the rehearsal on ggml's RPC device (the CPU build behind a
 #                                           ggml-rpc-server per llama-server), where llvmpipe faults
 #   bench/gpu_check.sh --prepare            here, with network: fill .bench-gpu/ with what an
-#                                           offline GPU machine lacks (wheels, the ESFT routing npz,
+#                                           offline GPU machine lacks (wheels and
 #                                           the trimmed llama.cpp source); carry .bench-gpu there
 #   bench/gpu_check.sh --setup-only         the Python setup and its import check, then stop
 #   bench/gpu_check.sh --binary-only        ... and the binary: unpacked, its libraries found, --version
@@ -88,8 +88,6 @@ if [ "$MODE" = prepare ]; then
         -d "$PREP/whl" "$pkg==$version"
     done
   done
-  esft="${MOE_L2_ROUTING_DATA:-$REPO/../shared/data/routing}/deepseek-ai__ESFT/esft_routing_ids_DERIVED.npz"
-  [ -f "$esft" ] && cp "$esft" "$PREP/"
   # The sdist (73 MiB) is over the 64 MiB a device call carries: the trimmed source (8 MiB), which
   # build.py verifies file by file against its pinned manifest (see docs/test-bed.md). Not needed when
   # a binary is carried (NO_SOURCE=1 leaves it out).
@@ -307,11 +305,7 @@ fi
 run_step constants 60 "$PY" bench/gpu_facts.py constants --out "$OUT_DIR/constants.json"
 
 # -- 5. the benchmark at each budget, then greedy identity ------------------------------------------
-if [ -z "${MOE_L2_ROUTING_DATA:-}" ] && [ -f "$PREP/esft_routing_ids_DERIVED.npz" ]; then
-  mkdir -p "$WORK/routing/deepseek-ai__ESFT"
-  ln -sf "$PREP/esft_routing_ids_DERIVED.npz" "$WORK/routing/deepseek-ai__ESFT/"
-  export MOE_L2_ROUTING_DATA="$WORK/routing"
-fi
+# the ESFT routing ids travel with the repo (bench/data/routing, bench/data_paths.py)
 COMMON=(--binary "$BINARY" --model "$MODEL" --backend "$BACKEND" --constants "$OUT_DIR/constants.json")
 if [ "$MODE" = gpu ]; then
   # 3 runs x 64 tokens, as p50/p25/p12 of 2026-12-04 (44-90 s a run there); all servers load at once

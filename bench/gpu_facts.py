@@ -8,7 +8,7 @@ GPU gauges against nvidia-smi, for `make bench-gpu`.
 through torch where it imports and sees a CUDA device (else each rate is None with the reason); the
 GPU's name and PCIe link (nvidia-smi); the CPU's model and core count. The H200 of 2026-12-04 copied
 pageable memory at 9.8 GB/s and pinned at 55.3 GB/s (512 MiB), and one 4.87 MB expert at 16.6 and
-49.8 GB/s (`../shared/data/gpu/2026-12-04/h2d.txt`): a 3-6x spread that decides whether the expert
+49.8 GB/s (`bench/data/gpu-2026-12-04/h2d.txt`): a 3-6x spread that decides whether the expert
 cache wins, so the figures are measured on every machine, not assumed.
 
 `gauges`: what moe_l2_cache.gpu (nvidia-ml-py, the cache-manager's /metrics and the dashboard's GPU

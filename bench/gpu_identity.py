@@ -9,7 +9,7 @@ One server per row, all started and queried at once (their speed is not measured
   d-<mode>       --cpu-moe, GGML_OP_OFFLOAD_MIN_BATCH=1, --load-mode <mode>
   e<S>-<mode>    --cpu-moe --moe-cache-bytes S slots per MoE layer, --load-mode <mode>
 `none` is llama.cpp's load mode without mmap (host-resident experts in the pinned host buffer), `mmap`
-the mapped file. The JSON has the shape of `../shared/data/gpu/2026-12-04/identity.json` (runs: argv,
+the mapped file. The JSON has the shape of `bench/data/gpu-2026-12-04/identity.json` (runs: argv,
 env, outputs, decode_tps, seconds, equal_to_a per prompt) plus the prompts and one verdict. On the
 H200 (2026-12-04) 36 of 36 outputs were identical, mmap and pinned together; a difference would be a
 wrong expert in a slot, which a correct cache never produces (the same weights, the same kernels).

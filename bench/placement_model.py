@@ -43,7 +43,7 @@ The constants and where each is measured
 ----------------------------------------
 - h2d_big, h2d_expert (pinned), h2d_pageable: host->device GB/s for 512 MiB and for one expert, by torch at
   the bench's start (bench/gpu_facts.py constants, the JSON's `constants.h2d`); a folder without them
-  (../shared/data/gpu/2026-12-04) has them in h2d.txt, which is read instead.
+  (bench/data/gpu-2026-12-04) has them in h2d.txt, which is read instead.
 - h2d_mapped: host->device GB/s from the mapped model file itself (bench/expert_offload.py measures it at
   its start since this model: `constants.h2d_mapped`); where absent, h2d_pageable * MAPPED_FACTOR.
 - T_gpu, g0, g1: row a (all on the device) of the run, else of a sibling file of the folder (same machine),
@@ -113,7 +113,8 @@ PROMPT_TOKENS = (117, 81, 118)  # the bench's three prompts of 40 words (every r
 PROMPT_USED_SHARE = 0.884
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED_H200 = REPO.parent / "shared" / "data" / "gpu" / "2026-12-04"
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benches' own modules
+from data_paths import esft_npz  # noqa: E402
 
 
 class NotModelled(Exception):
@@ -256,7 +257,7 @@ RING_REASON = (
     "chunks, an event each), which no constant measured before the servers start isolates"
 )
 
-# The H200 of 2026-12-04 (../shared/data/gpu/2026-12-04): a's decode in r50/r25 (206.2 and 206.7 tok/s),
+# The H200 of 2026-12-04 (bench/data/gpu-2026-12-04): a's decode in r50/r25 (206.2 and 206.7 tok/s),
 # a's prompt runs fitted as g0 + g1 n (8 runs of 81-118 tokens), h2d.txt. A run on an H200 without an a
 # row (the dev run) takes T_gpu, g0, g1 from here, and says so.
 H200_GPU = {"gpu_token_s": 1 / 206.44, "gpu_prompt_fixed_s": 0.02168, "gpu_prompt_token_s": 0.0001327}
@@ -779,7 +780,7 @@ def engine_auto_split(
 
 
 def parse_h2d_txt(text: str) -> dict[str, float]:
-    """h2d.txt of ../shared/data/gpu/2026-12-04 as gpu_facts' keys."""
+    """h2d.txt of bench/data/gpu-2026-12-04 as gpu_facts' keys."""
     out: dict[str, float] = {}
     pats = {
         "pageable_512MiB_gbps": r"pageable:\s*([\d.]+) GB/s",
@@ -906,7 +907,7 @@ def gpu_name(run: Mapping) -> str:
 
 
 def readme_gpu(folder: Path) -> str:
-    """The GPU a folder's README names (../shared/data/gpu/2026-12-04's JSON files carry no constants)."""
+    """The GPU a folder's README names (bench/data/gpu-2026-12-04's JSON files carry no constants)."""
     readme = folder / "README.md"
     text = readme.read_text(errors="replace") if readme.is_file() else ""
     m = re.search(r"NVIDIA (H200|H100|A100|RTX \w+)", text)
@@ -946,7 +947,7 @@ def machine_for(name: str, run: Mapping, runs: Mapping[str, dict], folder: Path)
         src["gpu"] = f"row a of {', '.join(files)}" + ("" if own else " (same folder: same machine, other run)")
     elif "H200" in gname:
         t_gpu, g0, g1 = H200_GPU["gpu_token_s"], H200_GPU["gpu_prompt_fixed_s"], H200_GPU["gpu_prompt_token_s"]
-        src["gpu"] = "no row a in the folder: the H200 of 2026-12-04 (../shared r50/r25 a rows; same GPU model)"
+        src["gpu"] = "no row a in the folder: the H200 of 2026-12-04 (bench/data/gpu-2026-12-04 r50/r25 a rows; same GPU model)"
     else:
         raise NotModelled("no row a (all on the device) in the folder and no measured GPU of this kind")
     hbm = hbm_of(gname) or (hbm_of("H200") if "H200" in src["gpu"] else None)
@@ -1116,7 +1117,7 @@ def h200_machine() -> Machine:
         H200_GPU["gpu_prompt_fixed_s"],
         H200_GPU["gpu_prompt_token_s"],
         hbm_gbps=HBM_GBPS["H200"],
-        sources={"all": "../shared/data/gpu/2026-12-04: h2d.txt, a rows, the median b row"},
+        sources={"all": "bench/data/gpu-2026-12-04: h2d.txt, a rows, the median b row"},
     )
 
 
@@ -1385,13 +1386,6 @@ def real_shapes_table(preds: Sequence[Prediction]) -> str:
 
 
 # -- the replay curve ----------------------------------------------------------------------------------------
-
-
-def esft_npz() -> Path:
-    import os
-
-    data = Path(os.environ.get("MOE_L2_ROUTING_DATA") or REPO.parent / "shared" / "data" / "routing")
-    return data / "deepseek-ai__ESFT" / "esft_routing_ids_DERIVED.npz"
 
 
 def replay_curve(

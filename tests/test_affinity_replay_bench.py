@@ -5,18 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 from tests.benches import load_bench
 
 bench = load_bench("affinity_replay")
 cache_policies = load_bench("cache_policies")
-
-ESFT = cache_policies.routing_data_dir() / "deepseek-ai__ESFT"
-# the data beside the repository: CI has it, so there a skip fails the run (tests/skip_allowlist.toml)
-pytestmark = pytest.mark.skipif(
-    not ESFT.is_dir(), reason=f"the ESFT routing data is not at {ESFT} (MOE_L2_ROUTING_DATA)"
-)
 
 
 def test_affinity_keeps_domains_apart_and_holds_more_of_their_experts(tmp_path: Path) -> None:

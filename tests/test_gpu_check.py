@@ -29,7 +29,7 @@ from tests.benches import load_bench
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "bench" / "gpu_check.sh"
-# what the lent H200's python3 has of its own (../shared/data/gpu/2026-12-04/README.md, the brief)
+# what the lent H200's python3 has of its own (bench/data/gpu-2026-12-04/README.md, the brief)
 MACHINE = ("numpy", "httpx", "httpcore", "h11", "anyio", "sniffio", "idna", "certifi", "PyYAML", "tqdm")
 # what gpu_check.sh --prepare downloads for it
 WHEELS = (

@@ -5,7 +5,6 @@ extremes, the layers/cache split within the budget), and what it prints. No GPU,
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -16,12 +15,8 @@ from tests.benches import load_bench
 
 REPO = Path(__file__).resolve().parent.parent
 DEV = REPO / "bench" / "data" / "gpu-2026-12-04-dev"  # in the repository: always here
-SHARED = REPO.parent / "shared" / "data" / "gpu" / "2026-12-04"  # CI has ../shared; a bare checkout may not
-ROUTING = Path(os.environ.get("MOE_L2_ROUTING_DATA") or REPO.parent / "shared" / "data" / "routing")
-ESFT = ROUTING / "deepseek-ai__ESFT" / "esft_routing_ids_DERIVED.npz"  # where placement_model.esft_npz() looks
-needs_shared = pytest.mark.skipif(
-    not SHARED.is_dir(), reason=f"{SHARED} absent: the H200 table of 2026-12-04 lives in ../shared (CI has it)"
-)
+SHARED = load_bench("data_paths").H200_2026_12_04  # the H200 table of 2026-12-04, in the repository
+ESFT = load_bench("data_paths").esft_npz()  # where placement_model.esft_npz() looks
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +37,6 @@ def h200(pm):
 # -- against the measured folders ---------------------------------------------------------------------
 
 
-@needs_shared
 def test_every_cell_of_the_shared_h200_table_within_15_percent(pm, capsys):
     assert pm.main(["--against", str(SHARED)]) == 0
     out = capsys.readouterr().out
@@ -89,7 +83,6 @@ def test_a_cell_moved_by_30_percent_fails_the_check(pm, tmp_path, capsys):
     assert [(c.file, c.row, c.what) for c in bad] == [("offload_50.json", "cp", "decode")]
 
 
-@needs_shared
 def test_a_planted_shared_folder_fails_on_the_moved_cell_only(pm, tmp_path):
     plant(SHARED, tmp_path / "h200", "p25.json", "e", "prompt_tokens_per_s", 0.7)
     assert pm.main(["--against", str(tmp_path / "h200")]) == 1
@@ -239,13 +232,6 @@ def test_known_shapes_match_model_shapes(pm):
         assert known.expert_bytes == sizes(s).expert_bytes
 
 
-needs_esft = pytest.mark.skipif(
-    not ESFT.is_file(),
-    reason=f"{ESFT} absent: the ESFT routing lives in ../shared (CI has it; else MOE_L2_ROUTING_DATA)",
-)
-
-
-@needs_esft
 def test_the_embedded_curve_is_the_policy_s_replay(pm):
     got = pm.replay_curve([14])
     assert got[14] == pm.ESFT_CURVE[14]

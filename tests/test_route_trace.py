@@ -36,14 +36,12 @@ from moe_l2_llama.route_trace import (
 from moe_l2_llama.settings import LlamaSettings, llama_server_command, llama_server_env
 from moe_l2_ops.llama_service import llama_service_spec
 from moe_l2_ops.supervisor import Supervisor, free_port
+from tests.benches import load_bench
 
 from .conftest import ADMIN_HEADERS
 
-# the routing data handed to the project, beside the repository (as bench/ finds it)
-ROUTING_DATA = Path(
-    os.environ.get("MOE_L2_ROUTING_DATA") or Path(__file__).resolve().parents[2] / "shared/data/routing"
-)
-ESFT_NPZ = ROUTING_DATA / "deepseek-ai__ESFT" / "esft_routing_ids_DERIVED.npz"
+# the ESFT routing ids, in the repository (bench/data_paths.py, as bench/ finds them)
+ESFT_NPZ = load_bench("data_paths").esft_npz()
 LAYERS = 4  # layer 0 dense, MoE layers 1..3
 MOE_LAYERS = [1, 2, 3]
 PROMPT = "the court finds that the defendant breached the contract and owes the plaintiff damages"

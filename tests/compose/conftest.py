@@ -35,7 +35,7 @@ def doc_cpu(raw: dict[str, Any], raw_cpu: dict[str, Any]) -> dict[str, Any]:
 
 def _schema_path() -> Path:
     env = os.environ.get("MOE_L2_COMPOSE_SCHEMA")
-    return Path(env) if env else ROOT.parent / "shared" / "schemas" / "compose-spec.json"
+    return Path(env) if env else Path(__file__).resolve().parent / "compose-spec.json"  # tests/compose/README.md
 
 
 @pytest.fixture(scope="module")

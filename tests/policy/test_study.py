@@ -55,14 +55,11 @@ def test_the_plot_the_study_shows_exists():
 
 
 def routing_data() -> Path:
-    env = os.environ.get("MOE_L2_ROUTING_DATA")
-    return Path(env) if env else ROOT.parent / "shared" / "data" / "routing"
+    return load_bench("data_paths").routing_data()  # in the repository (bench/data/routing)
 
 
 @pytest.fixture(scope="module")
 def bench():
-    if not (routing_data() / "deepseek-ai__ESFT" / "esft_routing_ids_DERIVED.npz").is_file():
-        pytest.skip(f"routing data absent at {routing_data()} (set MOE_L2_ROUTING_DATA)")
     return load_bench("cache_policies")
 
 

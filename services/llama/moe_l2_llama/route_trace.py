@@ -29,7 +29,7 @@ MAGIC = b"MOEL2RT1"
 ROUTE_TRACE_ENV = "LLAMA_MOE_ROUTE_TRACE"  # the variable that makes a patched llama-server replay a trace
 HEADER = np.dtype([("n_layer", "<i4"), ("n_expert", "<i4"), ("n_used", "<i4"), ("n_seq", "<i4"), ("n_token", "<i4")])
 
-# the ESFT npz's `task` codes, in order (see shared/data/routing/deepseek-ai__ESFT/README.md)
+# the ESFT npz's `task` codes, in order (see bench/data/routing/deepseek-ai__ESFT/README.md)
 ESFT_TASKS = ("intent", "law", "summary", "translation")
 # DeepSeek-V2-Lite, the model the ESFT traces come from, has 64 routed experts
 ESFT_N_EXPERT = 64
