@@ -37,6 +37,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "pass/warn/fail checks: binary, model, GPU, memlock, Redis, services, restarts, admin token",
     ),
     "collect": ("moe_l2_cache.collect", "run domain-tagged prompts (JSONL) through llama to seed the routing tables"),
+    "bench": (
+        "moe_l2_ops.bench",
+        "stock placements against the default on your machine and model: markdown, JSON, PNG (--model)",
+    ),
 }
 
 
