@@ -266,29 +266,6 @@ SHAPES: dict[str, ModelShape] = {
         yarn=Yarn(factor=32.0, original_context=4096, mscale_all_dim=0.0),
         **_GPT_OSS,
     ),
-    # openai/gpt-oss-120b config.json
-    "gpt-oss-120b": ModelShape(
-        name="gpt-oss-120b",
-        arch="gpt-oss",
-        source="openai/gpt-oss-120b",
-        n_layer=36,
-        n_dense_lead=0,
-        n_expert=128,
-        n_expert_used=4,
-        n_expert_shared=0,
-        n_embd=2880,
-        n_ff=2880,
-        n_ff_exp=2880,
-        n_head=64,
-        n_head_kv=8,
-        head_dim=64,
-        n_vocab=201088,
-        n_ctx_train=131072,
-        rope_freq_base=150000.0,
-        rms_eps=1e-5,
-        yarn=Yarn(factor=32.0, original_context=4096, mscale_all_dim=0.0),
-        **_GPT_OSS,
-    ),
     # zai-org/GLM-4.5-Air config.json (46 layers; the MTP layer is not written)
     "glm-4.5-air": ModelShape(
         name="glm-4.5-air",
@@ -387,6 +364,11 @@ SHAPES: dict[str, ModelShape] = {
         rms_eps=1e-5,
     ),
 }
+
+# openai/gpt-oss-120b config.json: gpt-oss-20b's layer, deeper and with four times the experts
+SHAPES["gpt-oss-120b"] = replace(
+    SHAPES["gpt-oss-20b"], name="gpt-oss-120b", source="openai/gpt-oss-120b", n_layer=36, n_expert=128
+)
 
 
 class UnknownShapeError(ValueError):
