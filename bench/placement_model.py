@@ -947,7 +947,9 @@ def machine_for(name: str, run: Mapping, runs: Mapping[str, dict], folder: Path)
         src["gpu"] = f"row a of {', '.join(files)}" + ("" if own else " (same folder: same machine, other run)")
     elif "H200" in gname:
         t_gpu, g0, g1 = H200_GPU["gpu_token_s"], H200_GPU["gpu_prompt_fixed_s"], H200_GPU["gpu_prompt_token_s"]
-        src["gpu"] = "no row a in the folder: the H200 of 2026-12-04 (bench/data/gpu-2026-12-04 r50/r25 a rows; same GPU model)"
+        src["gpu"] = (
+            "no row a in the folder: the H200 of 2026-12-04 (bench/data/gpu-2026-12-04 r50/r25 a rows; same GPU model)"
+        )
     else:
         raise NotModelled("no row a (all on the device) in the folder and no measured GPU of this kind")
     hbm = hbm_of(gname) or (hbm_of("H200") if "H200" in src["gpu"] else None)

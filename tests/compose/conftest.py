@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.compose.loading import COMPOSE, COMPOSE_CPU, GRAFANA, PROMETHEUS, ROOT, interpolate, load_compose_text, merge
+from tests.compose.loading import COMPOSE, COMPOSE_CPU, GRAFANA, PROMETHEUS, interpolate, load_compose_text, merge
 
 
 @pytest.fixture(scope="module")
