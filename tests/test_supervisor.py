@@ -19,8 +19,10 @@ from pathlib import Path
 import pytest
 
 from moe_l2_ops.supervisor import (
+    LogRotation,
     RestartPolicy,
     RunningService,
+    ServiceLog,
     ServiceSpec,
     Supervisor,
     SupervisorError,
@@ -291,6 +293,111 @@ def test_ctrl_c_during_a_restart_stops_everything(tmp_path: Path) -> None:
         assert pid_gone(pid), f"process {pid} outlived Ctrl-C"
     assert not any(port_in_use("127.0.0.1", int(s.url.rsplit(":", 1)[1])) for s in specs)
     assert {svc["state"] for svc in services().values()} == {"stopped"}
+
+
+# --------------------------------------------------------------------------- the logs' rotation
+
+# Writes `lines` numbered 100-byte lines as fast as it can, then how long that took, then waits.
+CHATTY = textwrap.dedent(
+    """
+    import sys, time
+    lines, write, pad = int(sys.argv[1]), sys.stdout.buffer.write, b"x" * 89
+    started = time.perf_counter()
+    for i in range(lines):
+        write(b"%09d " % i + pad + b"\\n")
+    sys.stdout.flush()
+    print(f"done {lines} lines in {time.perf_counter() - started:.2f}s", flush=True)
+    time.sleep(3600)
+    """
+)
+
+
+def _last_line(path: Path) -> bytes:
+    lines = path.read_bytes().rstrip().splitlines()
+    return lines[-1] if lines else b""
+
+
+def _numbered(paths: list[Path]) -> list[int]:
+    return [int(line[:9]) for path in paths for line in path.read_bytes().splitlines() if line[:9].isdigit()]
+
+
+def test_a_chatty_service_log_rotates_without_losing_or_blocking(
+    tmp_path: Path, supervisors: Callable[..., Supervisor]
+) -> None:
+    rotation = LogRotation(max_bytes=1 << 20, backups=2)
+    sup = supervisors(tmp_path)
+    sup.log_rotation = rotation
+    lines = 60_000  # 6 MB through a 1 MiB limit: five rotations, the oldest files dropped
+    spec = ServiceSpec("chatty", [sys.executable, "-c", CHATTY, str(lines)], health=lambda: True, url="-")
+    chatty = sup.start(spec)
+    current = chatty.log_path
+    # no step() of the supervisor's loop meanwhile: the readers drain the pipe on their own
+    deadline = time.monotonic() + 60
+    while not _last_line(current).startswith(b"done"):
+        assert time.monotonic() < deadline, f"the child did not get its {lines} lines out: {current.stat().st_size}"
+        assert chatty.proc.poll() is None
+        time.sleep(0.1)
+
+    files = [current.with_name("chatty.log.2"), current.with_name("chatty.log.1"), current]
+    sizes = [f.stat().st_size for f in files]
+    assert not current.with_name("chatty.log.3").exists()
+    assert all(0 < size <= rotation.max_bytes for size in sizes), sizes
+    # oldest to newest, the kept lines follow each other without a gap and end with the last one written
+    kept = _numbered(files)
+    assert kept == list(range(lines - len(kept), lines)), (kept[:3], kept[-3:], len(kept))
+    assert len(kept) * 100 > 2 * rotation.max_bytes  # two full old files and the current one
+    assert current.read_text().splitlines()[-1].startswith(f"done {lines} lines in ")
+
+
+def test_a_restart_marker_follows_the_dead_process_last_lines(
+    tmp_path: Path, supervisors: Callable[..., Supervisor]
+) -> None:
+    sup = supervisors(tmp_path)
+    flaky = sup.start(fake(tmp_path, "flaky", "crash:1"))  # start 2 prints its line and exits 3, start 3 serves
+    os.kill(flaky.proc.pid, signal.SIGKILL)
+    drive(sup, lambda: flaky.state == "running" and flaky.restarts == 2)
+    log = [line for line in flaky.log_path.read_text().splitlines() if line]
+    assert log == [
+        "start 1",
+        "---- moe-l2: restart 1 of flaky (was killed by SIGKILL) ----",
+        "start 2",
+        "---- moe-l2: restart 2 of flaky (exited with status 3) ----",
+        "start 3",
+    ]
+
+
+def test_a_first_start_that_dies_shows_its_last_lines(tmp_path: Path, supervisors: Callable[..., Supervisor]) -> None:
+    # much output then the reason, at once: the message must wait for the reader to write it all
+    code = "import sys\nfor i in range(20000): print('noise', i)\nprint('fatal: bad config')\nsys.exit(2)"
+    spec = ServiceSpec("broken", [sys.executable, "-c", code], health=lambda: False, url="-")
+    with pytest.raises(SupervisorError) as info:
+        supervisors(tmp_path).start(spec)
+    message = str(info.value).splitlines()
+    assert message[0].startswith("broken exited with status 2; log: ")
+    assert message[-2:] == ["    noise 19999", "    fatal: bad config"]
+
+
+def test_service_log_keeps_bytes_and_cuts_only_overlong_lines(tmp_path: Path) -> None:
+    rotation = LogRotation(max_bytes=4096, backups=1)  # one write holds at most 1024 bytes
+    log = ServiceLog(tmp_path / "svc.log", rotation)
+    read_end, write_end = os.pipe()
+    log.attach(os.fdopen(read_end, "rb", buffering=0))
+    not_utf8, long_line = b"caf\xc3\xa9 \xff\xfe", b"y" * 1500
+    os.write(write_end, not_utf8 + b"\n" + long_line + b"\nno newline at the end")
+    os.close(write_end)
+    log.close()
+    assert (tmp_path / "svc.log").read_bytes() == (
+        not_utf8 + b"\n" + long_line[:1024] + b"\n" + long_line[1024:] + b"\nno newline at the end\n"
+    )
+
+
+def test_log_rotation_settings() -> None:
+    assert LogRotation().max_bytes == 50 << 20 and LogRotation().backups == 3
+    assert LogRotation(max_bytes=0, backups=0).write_limit == 64 * 1024  # 0: never rotated
+    with pytest.raises(ValueError, match="at least one old file"):
+        LogRotation(max_bytes=1 << 20, backups=0)
+    with pytest.raises(ValueError, match=">= 0"):
+        LogRotation(max_bytes=-1)
 
 
 # --------------------------------------------------------------------------- what stats and doctor read

@@ -58,9 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         print(usage())
         return 0
     if argv[0] in ("-V", "--version"):
-        from importlib.metadata import version
+        from moe_l2_ops.version import version_text
 
-        print(f"moe-l2 {version('moe-l2')}")
+        print(version_text())
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:

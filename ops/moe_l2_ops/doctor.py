@@ -4,6 +4,13 @@ Python and packages, the patched llama-server binary, the model, GPU and driver 
 limit against the pool budget, /dev/shm, free disk, Redis, the health of each running service,
 llama's expert cache, the restarts `moe-l2 up` made, and the admin token: present, private (mode
 0600), required by the services' admin calls and accepted by them.
+
+Before the stack is started (no live `moe-l2 up` in its state file and no service answering) the
+checks of Redis, each service, the expert cache and the admin calls could only fail for that one
+reason, so they give way to a single `stack` line saying it is not running, a warning: doctor run
+before `moe-l2 up` answers whether this machine is ready to run the stack, and a stack not started
+yet is no fault of the machine (so `moe-l2 doctor && moe-l2 up` works). Once anything runs (`moe-l2
+up`, compose, a service started by hand), every check runs and a service that does not answer fails.
 """
 
 from __future__ import annotations
@@ -18,12 +25,16 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+from urllib.parse import urlsplit
 
 import httpx
 
 from moe_l2_contracts.services import LLAMA
 from moe_l2_ops.stats import OpsSettings, format_bytes
+
+if TYPE_CHECKING:
+    from moe_l2_llama.settings import ServingPlan
 
 Status = Literal["pass", "warn", "fail"]
 GiB = 1 << 30
@@ -70,21 +81,24 @@ def _binary_has_patches(binary: Path) -> bool:
     return all(marker in data for marker in PATCH_MARKERS)
 
 
-def check_llama_binary() -> Check:
-    """The build `moe-l2 up` would serve with, chosen by the same function (plan_serving) and named in
-    the same words as the line `up` logs, then whether it is built with the current patches."""
-    from moe_l2_llama.build import (
-        BuildError,
-        built_binary,
-        cached_builds,
-        default_cache_dir,
-        default_patches_dir,
-        patch_files,
-    )
+def serving_binary() -> tuple[ServingPlan, Path | None]:
+    """The build `moe-l2 up` would serve with, chosen by the same function (plan_serving), and its
+    binary: MOE_L2_LLAMA_SERVER's, else the cached build of the plan's config, None if not built yet.
+    Raises BuildError where `up` would refuse the plan."""
+    from moe_l2_llama.build import built_binary
     from moe_l2_llama.settings import LlamaSettings, plan_serving
 
+    plan = plan_serving(LlamaSettings())
+    return plan, plan.given if plan.given is not None else built_binary(plan.choice.config)
+
+
+def check_llama_binary() -> Check:
+    """The build `moe-l2 up` would serve with (serving_binary), named in the same words as the line
+    `up` logs, then whether it is built with the current patches."""
+    from moe_l2_llama.build import BuildError, cached_builds, default_cache_dir, default_patches_dir, patch_files
+
     try:
-        plan = plan_serving(LlamaSettings())
+        plan, binary = serving_binary()
     except BuildError as exc:
         return Check("llama-server", "fail", str(exc))
     if plan.given is not None:
@@ -99,7 +113,6 @@ def check_llama_binary() -> Check:
     current = {b.backend for b in builds if b.current}
     others = sorted(current - {plan.choice.backend})
     also = f" (also current: {', '.join(others)})" if others else ""
-    binary = built_binary(plan.choice.config)
     if binary is None:
         stale = "; the cache holds no build of the current patches" if builds and not current else ""
         return Check(
@@ -254,18 +267,63 @@ def check_redis(settings: OpsSettings) -> Check:
         client.close()
 
 
-def check_services(settings: OpsSettings) -> list[Check]:
+@dataclass(frozen=True)
+class Probe:
+    """One service's health URL and what it answered: a status code, or None and the error's name."""
+
+    name: str
+    url: str
+    code: int | None
+    error: str = ""
+
+
+def probe_services(settings: OpsSettings) -> list[Probe]:
     out = []
     with httpx.Client(timeout=settings.ops_timeout_s) as client:
         for name, url in settings.services().items():
             is_llama = name == "llama" or name.startswith("llama-")  # llama-1..N: MOE_L2_LLAMA_URLS
             health = f"{url}{LLAMA.health_path}" if is_llama else f"{url}/healthz"
             try:
-                code = client.get(health).status_code
-                out.append(Check(name, "pass" if code == 200 else "fail", f"{health} answered {code}"))
+                out.append(Probe(name, health, client.get(health).status_code))
             except httpx.HTTPError as exc:
-                out.append(Check(name, "fail", f"{health} unreachable ({type(exc).__name__})"))
+                out.append(Probe(name, health, None, type(exc).__name__))
     return out
+
+
+def check_services(settings: OpsSettings, probes: list[Probe] | None = None) -> list[Check]:
+    out = []
+    for probe in probe_services(settings) if probes is None else probes:
+        if probe.code is None:
+            out.append(Check(probe.name, "fail", f"{probe.url} unreachable ({probe.error})"))
+        else:
+            status: Status = "pass" if probe.code == 200 else "fail"
+            out.append(Check(probe.name, status, f"{probe.url} answered {probe.code}"))
+    return out
+
+
+def supervisor_live() -> bool:
+    """Whether a `moe-l2 up` runs, by its state file (its pid alive)."""
+    from moe_l2_ops.stack import StackSettings
+    from moe_l2_ops.supervisor import read_state
+
+    state = read_state(StackSettings().state_file)
+    return state is not None and bool(state["live"])
+
+
+def stack_running(probes: list[Probe], supervised: bool) -> bool:
+    """Running: a `moe-l2 up` is alive (also while it is still starting its services), or any service
+    answers at all, whatever started it (compose, the tests, a service by hand)."""
+    return supervised or any(probe.code is not None for probe in probes)
+
+
+def check_not_running(probes: list[Probe]) -> Check:
+    where = ", ".join(f"{probe.name} {urlsplit(probe.url).netloc}" for probe in probes)
+    return Check(
+        "stack",
+        "warn",
+        f"not running (start it with `moe-l2 up` or `make run`): no service answers ({where}); "
+        "Redis, the services and the admin calls are checked once it runs",
+    )
 
 
 def check_expert_cache(settings: OpsSettings) -> Check | None:
@@ -419,8 +477,18 @@ def _guarded(name: str, check: Callable[[], Check]) -> Check:
         return Check(name, "fail", f"{type(exc).__name__}: {exc}")
 
 
-def run_checks(settings: OpsSettings, model: Path | None) -> list[Check]:
-    checks = [
+def _optional(name: str, check: Callable[[], Check | None]) -> list[Check]:
+    """A check that may have nothing to say (None); one that breaks is a failure, as in _guarded."""
+    try:
+        found = check()
+    except Exception as exc:
+        return [Check(name, "fail", f"{type(exc).__name__}: {exc}")]
+    return [] if found is None else [found]
+
+
+def machine_checks(settings: OpsSettings, model: Path | None) -> list[Check]:
+    """What holds whether or not the stack runs: the install, the build, the model, the hardware."""
+    return [
         _guarded("python", check_python),
         _guarded("packages", check_packages),
         _guarded("llama-server", check_llama_binary),
@@ -429,24 +497,28 @@ def run_checks(settings: OpsSettings, model: Path | None) -> list[Check]:
         _guarded("memlock", check_memlock),
         _guarded("/dev/shm", check_shm),
         _guarded("disk", check_disk),
-        _guarded("redis", lambda: check_redis(settings)),
     ]
+
+
+def stack_checks(settings: OpsSettings, probes: list[Probe]) -> list[Check]:
+    """The running stack's: Redis, each service, the expert cache."""
+    checks = [_guarded("redis", lambda: check_redis(settings)), *check_services(settings, probes)]
+    return checks + _optional("expert cache", lambda: check_expert_cache(settings))
+
+
+def run_checks(settings: OpsSettings, model: Path | None) -> list[Check]:
+    checks = machine_checks(settings, model)
     try:
-        checks += check_services(settings)
-    except Exception as exc:
+        probes = probe_services(settings)
+        running = stack_running(probes, supervisor_live())
+    except Exception as exc:  # cannot tell: check everything, as for a running stack
         checks.append(Check("services", "fail", f"{type(exc).__name__}: {exc}"))
-    try:
-        if (cache := check_expert_cache(settings)) is not None:
-            checks.append(cache)
-    except Exception as exc:
-        checks.append(Check("expert cache", "fail", f"{type(exc).__name__}: {exc}"))
-    try:
-        if (supervised := check_supervisor()) is not None:
-            checks.append(supervised)
-    except Exception as exc:
-        checks.append(Check("supervisor", "fail", f"{type(exc).__name__}: {exc}"))
+        probes, running = [], True
+    checks += stack_checks(settings, probes) if running else [check_not_running(probes)]
+    checks += _optional("supervisor", check_supervisor)  # before a start too: an unclean end's leftovers
     checks.append(_guarded("admin token", check_admin_token))
-    checks.append(_guarded("admin calls", lambda: check_admin_calls(settings)))
+    if running:
+        checks.append(_guarded("admin calls", lambda: check_admin_calls(settings)))
     return checks
 
 
