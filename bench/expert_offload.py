@@ -1146,9 +1146,11 @@ def resolve_binary(args: argparse.Namespace) -> Path:
     from moe_l2_llama.build import BuildConfig, BuildError, build
 
     try:
-        config = BuildConfig(backend=args.backend, native=args.backend != "cuda")
+        # the route-trace hook replays a trace: a test build; with --trace none the serving build does
+        hooks = args.trace != "none"
+        config = BuildConfig(backend=args.backend, native=args.backend != "cuda", test_hooks=hooks)
         if args.backend == "cuda":
-            config = BuildConfig(backend="cuda", cuda_architectures=args.cuda_arch, native=False)
+            config = BuildConfig(backend="cuda", cuda_architectures=args.cuda_arch, native=False, test_hooks=hooks)
         return build(config)
     except BuildError as exc:
         raise BenchError(f"cannot build the {args.backend} llama-server: {exc}") from exc

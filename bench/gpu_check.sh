@@ -249,7 +249,8 @@ else
   else
     BUILD_ARGS=(--vulkan)
   fi
-  run_step build 450 nice -n 10 "$PY" -m moe_l2_llama.build "${BUILD_ARGS[@]}" -j "$(nproc)" || finish 1
+  # --test-hooks: the benchmark replays the ESFT routing through the route-trace hook
+  run_step build 450 nice -n 10 "$PY" -m moe_l2_llama.build "${BUILD_ARGS[@]}" --test-hooks -j "$(nproc)" || finish 1
   BINARY=$(grep -E '^/.*llama-server$' "$LOG" | tail -1)
   [ -x "$BINARY" ] || { say "error: the build printed no binary path"; finish 1; }
 fi

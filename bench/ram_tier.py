@@ -782,11 +782,13 @@ def resolve_binary(args: argparse.Namespace) -> Path:
         if not args.binary.is_file() or not os.access(args.binary, os.X_OK):
             raise BenchError(f"--binary {args.binary} does not exist or is not executable")
         return args.binary
-    from moe_l2_llama.build import BuildError
-    from moe_l2_llama.settings import llama_server_binary
+    from moe_l2_llama.build import BuildConfig, BuildError, build
 
     try:
-        return llama_server_binary(LlamaSettings())
+        if env := os.environ.get("MOE_L2_LLAMA_SERVER"):
+            return Path(env)
+        # with the route-trace hook, which replays the ESFT trace (--trace auto)
+        return build(BuildConfig(test_hooks=True))
     except BuildError as exc:
         raise BenchError(f"cannot build the CPU llama-server: {exc}") from exc
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,6 +14,8 @@ import pytest
 
 from moe_l2_contracts.admin import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HEADER
 from moe_l2_gguf.demo_model import load_planted, make_demo_model
+from moe_l2_llama.backend import choose_backend
+from moe_l2_llama.build import BuildConfig
 from moe_l2_llama.settings import LlamaSettings, llama_server_binary
 from moe_l2_ops.llama_service import llama_service_spec
 from moe_l2_ops.supervisor import ServiceSpec, Supervisor, SupervisorError, describe_exit, free_port, tcp_open
@@ -48,10 +50,27 @@ class LlamaServer:
         return resp.text
 
 
+def with_test_hooks(config: BuildConfig) -> BuildConfig:
+    """The test suite's build of `config`: with the patch series' test-only hooks (the route-trace replay) and
+    upstream's test programs beside llama-server (test-backend-ops, test-llama-archs), which BuildConfig's
+    default, the build `moe-l2 up` serves, leaves out. Asked for here, for every build fixture, and by
+    `make test`'s `moe-l2 build-llama --test-hooks [--rpc|--vulkan]`: the same flags, so the same cache keys,
+    and pytest finds built what `make test` built before it."""
+    return replace(config, test_hooks=True)
+
+
+def engine_test_build(backend: str) -> BuildConfig:
+    """The test build of a backend (cpu, rpc, vulkan) as the fixtures below build it."""
+    return with_test_hooks(BuildConfig(backend=backend))
+
+
 @pytest.fixture(scope="session")
 def llama_binary() -> Path:
-    # Built once per machine and cached (~6 min on 2 cores the first time), or MOE_L2_LLAMA_SERVER.
-    return llama_server_binary(LlamaSettings())
+    """MOE_L2_LLAMA_SERVER, else the test build of the backend MOE_L2_LLAMA_BACKEND names (the CPU build for
+    auto, as llama_server_binary decides), built once per machine and cached (~6 min on 2 cores the first time)."""
+    settings = LlamaSettings()
+    choice = choose_backend("cpu" if settings.backend == "auto" else settings.backend)
+    return llama_server_binary(settings, replace(choice, config=with_test_hooks(choice.config)))
 
 
 @pytest.fixture(scope="session")
@@ -142,7 +161,7 @@ def vulkan_build_binary() -> Path:
         if os.environ.get("CI"):
             pytest.fail(reason)
         pytest.skip(reason)
-    return build_mod.build(build_mod.BuildConfig(backend="vulkan"))
+    return build_mod.build(engine_test_build("vulkan"))
 
 
 @pytest.fixture(scope="session")
@@ -277,9 +296,10 @@ def rpc_binary() -> Path:
         if not binary.is_file():
             pytest.fail(f"MOE_L2_RPC_LLAMA_SERVER={binary} does not exist", pytrace=False)
     else:
-        binary = build_mod.build(build_mod.BuildConfig(backend="rpc"))
+        binary = build_mod.build(engine_test_build("rpc"))
     if not build_mod.rpc_server_binary(binary).is_file():
-        pytest.fail(f"no {build_mod.RPC_SERVER} next to {binary}: build it with `moe-l2 build-llama --rpc`")
+        rebuild = "moe-l2 build-llama --rpc --test-hooks"
+        pytest.fail(f"no {build_mod.RPC_SERVER} next to {binary}: build it with `{rebuild}`")
     return binary
 
 

@@ -350,7 +350,7 @@ def main() -> int:
         print(f"[llvmpipe] no Vulkan build here (missing {', '.join(missing)}): nothing to warm")
         return 0
     else:
-        binary = build_mod.build(build_mod.BuildConfig(backend="vulkan"))
+        binary = build_mod.build(build_mod.BuildConfig(backend="vulkan", test_hooks=True))  # the tests' build
     logs = Path(tempfile.mkdtemp(prefix="llvmpipe-warm-logs-"))  # kept: a fault's line names its log
     with tempfile.TemporaryDirectory(prefix="llvmpipe-warm-") as tmp:
         print(f"[llvmpipe] warming Mesa's shader cache: the probe's prompts on {binary} (bound {BOUND_S:.0f} s)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -13,8 +14,10 @@ from pathlib import Path
 import pytest
 
 from moe_l2_llama import build as build_mod
+from tests.conftest import engine_test_build
 
 MOE = [sys.executable, "-m", "moe_l2_ops.cli", "build-llama"]
+REPO = Path(__file__).resolve().parent.parent
 
 
 def run_build(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
@@ -61,7 +64,8 @@ def test_ccache_does_not_change_the_key(tmp_path: Path, monkeypatch: pytest.Monk
 def test_the_rpc_build_is_the_cpu_build_with_ggml_rpc_and_its_server(tmp_path: Path) -> None:
     (tmp_path / "0001-a.patch").write_text("a")
     patches = build_mod.patch_files(tmp_path)
-    cpu, rpc = build_mod.BuildConfig(), build_mod.BuildConfig(backend="rpc")
+    # the test builds (the RPC build is one only the tests use)
+    cpu, rpc = build_mod.BuildConfig(test_hooks=True), build_mod.BuildConfig(backend="rpc", test_hooks=True)
     # its own key, so the CPU build (the service's) and the Vulkan and CUDA ones keep theirs
     assert rpc.cmake_flags() == [*cpu.cmake_flags(), "-DGGML_RPC=ON"]
     assert build_mod.build_key(rpc, patches) != build_mod.build_key(cpu, patches)
@@ -71,6 +75,7 @@ def test_the_rpc_build_is_the_cpu_build_with_ggml_rpc_and_its_server(tmp_path: P
     # test-backend-ops: the llvmpipe cases' twins; test-llama-archs: every architecture's random model
     assert rpc.targets() == ["llama-server", "ggml-rpc-server", "test-backend-ops", "test-llama-archs"]
     assert cpu.targets() == ["llama-server", "test-backend-ops"]  # a test build's (tests/test_backend_ops.py)
+    assert build_mod.BuildConfig(backend="rpc").targets() == ["llama-server", "ggml-rpc-server"]  # no test programs
     assert build_mod.rpc_server_binary(tmp_path / "bin" / "llama-server") == tmp_path / "bin" / "ggml-rpc-server"
 
 
@@ -86,7 +91,7 @@ def test_rpc_is_one_of_the_backends_the_cli_builds(monkeypatch: pytest.MonkeyPat
         return out / "llama-server"
 
     monkeypatch.setattr(build_mod, "build", fake_build)
-    assert build_mod.main(["--rpc", "--out", str(tmp_path / "out")]) == 0
+    assert build_mod.main(["--rpc", "--test-hooks", "--out", str(tmp_path / "out")]) == 0  # `make test`'s
     assert [c.backend for c in built] == ["rpc"]
     # a test build's RPC targets: the llvmpipe cases' twins (test-backend-ops), every architecture's model
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
@@ -154,9 +159,10 @@ def test_the_cpu_s_instruction_sets_are_what_a_native_key_reads(tmp_path: Path) 
 
 @pytest.mark.llama
 def test_second_call_is_a_cache_hit() -> None:
-    llama_binary = build_mod.build()  # built now if the suite started without a cached binary
+    # the test build `make test` made before pytest (built now if the suite started without it)
+    llama_binary = build_mod.build(engine_test_build("cpu"))
     mtime = llama_binary.stat().st_mtime_ns
-    result = run_build({})
+    result = run_build({}, "--test-hooks")
     assert result.returncode == 0, result.stderr
     assert Path(result.stdout.strip()) == llama_binary
     assert "building" not in result.stderr
@@ -372,30 +378,81 @@ def test_the_tree_check_catches_a_change_outside_the_moves(tmp_path: Path) -> No
     )
 
 
-def test_the_test_hooks_are_on_in_test_builds_and_off_in_images(
+def test_the_test_hooks_are_asked_for_and_never_in_a_serving_build(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """The route trace (patch 0024) is built with -DLLAMA_MOE_TEST_HOOKS=ON: BuildConfig's default (the
-    tests, the benchmarks, `moe-l2 build-llama`), and OFF with --portable (the images) or --no-test-hooks."""
-    assert "-DLLAMA_MOE_TEST_HOOKS=ON" in build_mod.BuildConfig().cmake_flags()
-    assert "-DLLAMA_MOE_TEST_HOOKS=OFF" in build_mod.BuildConfig(test_hooks=False).cmake_flags()
+    """The route trace (patch 0024) is built with -DLLAMA_MOE_TEST_HOOKS=ON only where asked for
+    (BuildConfig(test_hooks=True), `--test-hooks`: the tests, `make check-cuda`, the trace-replaying benchmarks);
+    BuildConfig's default and `moe-l2 build-llama`'s, with or without --portable, is the serving build."""
+    assert "-DLLAMA_MOE_TEST_HOOKS=OFF" in build_mod.BuildConfig().cmake_flags()
+    assert "-DLLAMA_MOE_TEST_HOOKS=ON" in build_mod.BuildConfig(test_hooks=True).cmake_flags()
     built: list[build_mod.BuildConfig] = []
     monkeypatch.setattr(build_mod, "build", lambda config, **_: built.append(config) or tmp_path / "llama-server")
-    for args in ([], ["--portable"], ["--portable", "--test-hooks"], ["--no-test-hooks"]):
+    for args in ([], ["--portable"], ["--portable", "--test-hooks"], ["--test-hooks"], ["--no-test-hooks"]):
         assert build_mod.main(args) == 0
-    assert [c.test_hooks for c in built] == [True, False, True, False]
+    assert [c.test_hooks for c in built] == [False, False, True, True, False]
     cmake = added_lines(build_mod.default_patches_dir() / "0024-route-trace.patch")["CMakeLists.txt"]
     option = [line for line in cmake if "option(" in line]
     assert len(option) == 1 and option[0].startswith("option(LLAMA_MOE_TEST_HOOKS ") and option[0].endswith(" OFF)")
 
 
+def make_builds(target: str) -> list[list[str]]:
+    """The arguments of each `$(MOE) build-llama` in a Makefile target's recipe."""
+    text = (REPO / "Makefile").read_text()
+    recipe = re.search(rf"^{target}:.*\n((?:\t.*\n)+)", text, re.MULTILINE)
+    assert recipe, f"no `{target}` target in the Makefile"
+    calls = []
+    for args in re.findall(r"\$\(MOE\) build-llama(.*)", recipe[1]):
+        args = args.split("&&")[0]
+        while args.count(")") > args.count("("):  # the end of a $(if ...) around the call
+            args = args[: args.rindex(")")]
+        calls.append(shlex.split(args))
+    return calls
+
+
+def cli_configs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, calls: list[list[str]]) -> list[build_mod.BuildConfig]:
+    """The BuildConfig `moe-l2 build-llama` builds for each call's arguments; nothing is compiled."""
+    built: list[build_mod.BuildConfig] = []
+    monkeypatch.setattr(build_mod, "build", lambda config, **_: built.append(config) or tmp_path / "llama-server")
+    monkeypatch.setattr(build_mod.cuda_toolchain, "resolve_arch", lambda value: value)  # no nvcc asked
+    for args in calls:
+        assert build_mod.main(args) == 0, args
+    return built
+
+
+def test_make_test_prebuilds_the_builds_the_fixtures_use(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`make test` builds the engines before pytest, so their progress shows: the same configs as the fixtures
+    (tests/conftest.py), key for key, or pytest would compile a second build of each. Both ask for the test hooks;
+    `moe-l2 build-llama` alone builds the serving binary."""
+    calls = make_builds("test")
+    assert len(calls) == 3, calls
+    assert cli_configs(monkeypatch, tmp_path, calls) == [engine_test_build(b) for b in ("cpu", "rpc", "vulkan")]
+
+
+def test_make_check_cuda_builds_the_test_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """check-cuda's build is the one tests/test_cuda_toolchain.py links and inspects: portable, with the hooks."""
+    (call,) = make_builds("check-cuda")
+    (config,) = cli_configs(monkeypatch, tmp_path, [[arg.replace("$(ARCH)", "90") for arg in call]])
+    assert (config.backend, config.native, config.test_hooks) == ("cuda", False, True)
+
+
+def test_the_gpu_check_builds_with_the_test_hooks() -> None:
+    """bench/gpu_check.sh replays a routing trace (LLAMA_MOE_ROUTE_TRACE, bench/expert_offload.py), which only
+    a build with the test hooks has: its `python -m moe_l2_llama.build` asks for them."""
+    text = (REPO / "bench" / "gpu_check.sh").read_text()
+    (call,) = [line for line in text.splitlines() if "-m moe_l2_llama.build" in line and "BUILD_ARGS" in line]
+    arrays = re.findall(r"BUILD_ARGS=\((.*)\)", text)
+    assert arrays, "gpu_check.sh no longer sets BUILD_ARGS"
+    assert "--test-hooks" in call or all("--test-hooks" in array for array in arrays), call
+
+
 def test_test_backend_ops_is_built_where_it_runs_and_never_in_images() -> None:
     """Upstream's test-backend-ops (patch 0025's --expert-cache, tests/test_backend_ops.py) is configured in every
-    test build and built in the CPU, Vulkan and RPC ones, where it runs; a build without the test hooks (the images'
-    --portable) keeps upstream's tests off, its flags and its targets as they were."""
+    test build and built in the CPU, Vulkan and RPC ones, where it runs; a build without the test hooks (the default:
+    `moe-l2 up`'s, the images') keeps upstream's tests off, its flags and its targets as they were."""
     for backend in build_mod.BACKENDS:
-        test_build = build_mod.BuildConfig(backend=backend)
-        image = build_mod.BuildConfig(backend=backend, native=False, test_hooks=False)
+        test_build = build_mod.BuildConfig(backend=backend, test_hooks=True)
+        image = build_mod.BuildConfig(backend=backend, native=False)
         assert "-DLLAMA_BUILD_TESTS=ON" in test_build.cmake_flags()
         assert ("test-backend-ops" in test_build.targets()) == (backend in ("cpu", "vulkan", "rpc"))
         assert ("test-llama-archs" in test_build.targets()) == (backend == "rpc")

@@ -207,7 +207,7 @@ def warm_cuda_cache(arch: str, config: build_mod.BuildConfig) -> bool:
 def test_cuda_server_builds_and_links(toolkit: tc.Toolkit) -> None:
     """MOE_L2_TEST_CUDA_BUILD=1 runs it (make check-cuda), =0 never; unset, it runs on a warm cache."""
     arch = tc.resolve_arch(os.environ.get("MOE_L2_TEST_CUDA_ARCH", "90"), toolkit)
-    config = build_mod.BuildConfig(backend="cuda", cuda_architectures=arch, native=False)
+    config = build_mod.BuildConfig(backend="cuda", cuda_architectures=arch, native=False, test_hooks=True)
     wanted = os.environ.get("MOE_L2_TEST_CUDA_BUILD")
     if wanted == "0" or (wanted != "1" and not warm_cuda_cache(arch, config)):
         pytest.skip(f"CUDA build for --arch {arch}: 30+ min on a cold cache; run `make check-cuda`")

@@ -75,7 +75,7 @@ def test_the_patched_trimmed_tree_configures_the_server(trimmed: Path, tmp_path:
     sa.extract_verified(trimmed, src)
     build_mod.apply_patches(src, build_mod.patch_files(build_mod.default_patches_dir()))
     result = subprocess.run(
-        ["cmake", "-S", str(src), "-B", str(tmp_path / "build"), *build_mod.BuildConfig().cmake_flags()],
+        ["cmake", "-S", str(src), "-B", str(tmp_path / "build"), *build_mod.BuildConfig(test_hooks=True).cmake_flags()],
         capture_output=True,
         text=True,
         timeout=300,

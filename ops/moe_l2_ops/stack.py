@@ -9,19 +9,29 @@ is required.
 
 The admin token (moe_l2_contracts.admin) is MOE_L2_ADMIN_TOKEN (or the file MOE_L2_ADMIN_TOKEN_FILE
 names) when set, else `<state dir>/admin-token`, created at the first start; every service gets it.
+
+Everything that can be checked in seconds is checked before llama-server is built (30 minutes for CUDA on a
+small machine), each failure one line: the model (it exists, is a GGUF with routed experts), the ports every
+service will bind, and whether the model and its KV cache fit the RAM and the GPU (moe_l2_ops.preflight).
+The build `up` serves is a serving build, without the patch series' test-only hooks (moe_l2_llama.build).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import re
 import shutil
 import signal
+import socket
 import sys
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from moe_l2_contracts.admin import ADMIN_TOKEN_ENV, AdminTokenError, configured_token, ensure_token_file
+from moe_l2_contracts.services import CACHE_MANAGER, LLAMA, PREDICTOR, PROXY
 from moe_l2_ops.llama_replicas import (
     MAX_REPLICAS,
     REPLICAS_ENV,
@@ -34,9 +44,25 @@ from moe_l2_ops.llama_replicas import (
     replicas,
 )
 from moe_l2_ops.predictor_replicas import predictor_services, predictor_urls
+from moe_l2_ops.preflight import (
+    ASSUMED_READ_BYTES_PER_S,
+    FitInputs,
+    context_of,
+    fit_findings,
+    human,
+    kv_type_given,
+    llama_start_timeout,
+    mem_available,
+    model_facts,
+    nvidia_free_bytes,
+)
 from moe_l2_ops.python_service import python_service
 from moe_l2_ops.stack_settings import StackSettings
 from moe_l2_ops.supervisor import ServiceSpec, Supervisor, SupervisorError, port_in_use, tcp_open
+
+if TYPE_CHECKING:
+    from moe_l2_gguf.index import ExpertIndex
+    from moe_l2_llama.settings import LlamaSettings, ServingPlan
 
 
 def stack_admin_token(settings: StackSettings) -> str:
@@ -89,27 +115,31 @@ def llama_service(settings: StackSettings, model: Path, binary: Path, admin_toke
 def resolve_model(settings: StackSettings, model: Path | None) -> Path:
     """The model to serve: the one given (a GGUF with routed experts, checked from its header in well under
     a second, before any build), else a demo model generated once into the state folder."""
+    return serving_model(settings, model).path
+
+
+def serving_model(settings: StackSettings, model: Path | None) -> ExpertIndex:
+    """resolve_model's model, as its index: the bytes the fit check and the start timeout weigh."""
     if model is not None:
         if not model.is_file():
             raise SupervisorError(f"model {model} does not exist")
-        check_moe_model(model)
-        return model
+        return check_moe_model(model)
     from moe_l2_gguf.demo_model import make_demo_model
 
     demo = settings.state_dir / "models" / f"moe-l2-demo-seed{settings.demo_seed}.gguf"
     if not demo.is_file():
         print(f"no MODEL given: generating a demo MoE model at {demo}", file=sys.stderr)
         make_demo_model(demo, seed=settings.demo_seed)
-    return demo
+    return check_moe_model(demo)
 
 
-def check_moe_model(model: Path) -> None:
+def check_moe_model(model: Path) -> ExpertIndex:
     """One line for a file llama.cpp could not serve as a MoE model: a build of llama-server (30 minutes for
-    CUDA on a small machine) must not come first and then fail on it."""
+    CUDA on a small machine) must not come first and then fail on it. Returns the model's index."""
     from moe_l2_gguf.index import DenseModelError, GGUFIndexError, load_index
 
     try:
-        load_index(model)
+        return load_index(model)
     except DenseModelError:
         raise SupervisorError(
             f"model {model} is a dense model (no routed experts): moe-l2 keeps a mixture-of-experts model's "
@@ -150,22 +180,124 @@ def stack_services(
     return services
 
 
+# The variable that moves each service's port, by the service's name less a replica's number.
+PORT_SETTINGS = {
+    "redis": "MOE_L2_REDIS_PORT",
+    "llama": LLAMA.port_env,
+    "cache-manager": CACHE_MANAGER.port_env,
+    "predictor": PREDICTOR.port_env,
+    "proxy": PROXY.port_env,
+}
+
+
+def port_setting(service: str) -> str:
+    """Where `service`'s port is set: its variable, and for replica i of several the step from it."""
+    replica = re.fullmatch(r"(.+)-\d+", service)  # llama-2, cache-manager-2, predictor-2
+    setting = PORT_SETTINGS.get(replica[1] if replica else service, "its MOE_L2_<SERVICE>_PORT")
+    return f"{setting} (replica i listens on it + 100·(i-1))" if replica else setting
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """Why a service could not bind host:port, None if it could. A connect finds a listener; a bind finds as
+    well a socket bound without listening, on which the service's own bind would fail all the same."""
+    if port_in_use(host, port):
+        return "is already in use"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        # as the services bind: a port left in TIME_WAIT by an earlier run is no obstacle to them
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            return "is already in use" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc.strerror})"
+    return None
+
+
 def check_ports(services: list[ServiceSpec]) -> None:
-    """Every service's port is free, and no two services of the stack share one."""
+    """Every service's port is free, and no two services of the stack share one: one line naming the port
+    and the variable that moves it."""
     taken: dict[int, str] = {}
     for spec in services:
         host_port = spec.url.split("//", 1)[1].split("/", 1)[0]
         host, _, port = host_port.rpartition(":")
         if (other := taken.setdefault(int(port), spec.name)) != spec.name:
             raise SupervisorError(
-                f"{spec.name} and {other} would both listen on port {port}; move one (MOE_L2_*_PORT: "
-                f"replicas take the port + 100·i)"
+                f"{spec.name} and {other} would both listen on port {port}; move one: {port_setting(spec.name)} "
+                f"or {port_setting(other)}"
             )
-        if port_in_use(host, int(port)):
+        if problem := port_problem(host, int(port)):
             raise SupervisorError(
-                f"{spec.name}: port {port} on {host} is already in use; stop what runs there "
-                f"or choose another port (MOE_L2_*_PORT)"
+                f"{spec.name}: port {port} on {host} {problem}; stop what runs there or move {spec.name} to a free "
+                f"port with {port_setting(spec.name)}"
             )
+
+
+def announce_plan(plan: ServingPlan) -> None:
+    """The line saying which llama-server serves and why. A binary given by MOE_L2_LLAMA_SERVER with no
+    build-info.json says nothing of its backend, so the GPU defaults are not applied to it: a warning, with
+    the fix (a build-info.json names the backend; `moe-l2 build-llama` writes one)."""
+    if plan.given is not None and plan.choice.backend == "unknown" and plan.given.is_file():
+        info = plan.given.parent.parent / "build-info.json"
+        backend = '{"backend": "cuda"}'  # what known_backend reads (or "vulkan")
+        print(
+            f"warning: llama-server {plan.given} (MOE_L2_LLAMA_SERVER) has no {info}, so its backend is unknown "
+            f"and the GPU defaults (-ngl 999, --cpu-moe, the expert cache) are off; for a GPU build write {backend} "
+            "(or vulkan) into that file, or unset MOE_L2_LLAMA_SERVER and let `moe-l2 up` build one",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
+    print(plan.line, file=sys.stderr, flush=True)
+
+
+def planned_binary(plan: ServingPlan) -> Path:
+    """The llama-server `up` will run, before it is built: MOE_L2_LLAMA_SERVER, else where the build puts it.
+    The port check reads only the services' addresses from specs made with it."""
+    from moe_l2_llama import build
+
+    if plan.given is not None:
+        return plan.given
+    patches = build.patch_files(build.default_patches_dir())
+    return build.cached_binary(build.default_cache_dir(), build.build_key(plan.choice.config, patches))
+
+
+def check_fit(index: ExpertIndex, llama: LlamaSettings, plan: ServingPlan, replicas: int) -> None:
+    """The model and its KV cache against the RAM and (CUDA) the GPU: warnings printed, an error raised. The
+    context and the cache's type are read from llama-server's command, as the replicas will be started."""
+    from moe_l2_llama.settings import llama_server_command
+
+    argv = llama_server_command(planned_binary(plan), index.path, llama)
+    backend = plan.choice.backend
+    fit = FitInputs(
+        facts=model_facts(index.path, index.tensor_bytes, index.routed_bytes),
+        backend=backend,
+        ctx_size=context_of(argv),
+        replicas=replicas,
+        ram_available=mem_available(),
+        device_free=nvidia_free_bytes() if backend == "cuda" else None,
+        kv_typed=kv_type_given(argv),
+        ram_budget=llama.ram_budget,
+    )
+    findings = fit_findings(fit)
+    for finding in findings:
+        if finding.level == "warning":
+            print(f"warning: {finding.message}", file=sys.stderr, flush=True)
+    if errors := [f.message for f in findings if f.level == "error"]:
+        raise SupervisorError(errors[0])
+
+
+def with_llama_start_timeout(settings: StackSettings, model_bytes: int) -> StackSettings:
+    """settings with llama's start timeout grown for a large model (preflight.llama_start_timeout), said once."""
+    timeout = llama_start_timeout(settings.start_timeout_s, model_bytes)
+    if timeout <= settings.start_timeout_s:
+        return settings
+    print(
+        f"llama start timeout: {timeout:.0f} s for a {human(model_bytes)} model (read at an assumed "
+        f"{ASSUMED_READ_BYTES_PER_S / 1e6:.0f} MB/s; MOE_L2_START_TIMEOUT_S={settings.start_timeout_s:g} is the floor)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return settings.model_copy(update={"start_timeout_s": timeout})
 
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
@@ -215,26 +347,40 @@ def main(argv: list[str] | None = None) -> int:
 
     from moe_l2_gguf.demo_model import DemoModelError
     from moe_l2_llama.build import BuildError
-    from moe_l2_llama.settings import prepare_llama_server
+    from moe_l2_llama.settings import LlamaSettings, llama_server_binary, plan_serving
     from moe_l2_ops.deployment import prepare_gateway, refuse_ram_tier_with_replicas
 
     # Explicit for SIGINT too: a shell starting us in the background leaves SIGINT ignored.
     signal.signal(signal.SIGINT, _raise_interrupt)
     signal.signal(signal.SIGTERM, _raise_interrupt)
     supervisor = Supervisor(
-        settings.state_dir / "logs", policy=settings.restart_policy(), state_path=settings.state_file
+        settings.state_dir / "logs",
+        policy=settings.restart_policy(),
+        state_path=settings.state_file,
+        log_rotation=settings.log_rotation(),
     )
     try:
         # first: a gateway open beyond loopback without API keys refuses here, before any build or start
         prepare_gateway()
         refuse_ram_tier_with_replicas(args.llama_replicas)
         # the model before the build: a missing, unreadable or dense model is one line, not a build first
-        model = resolve_model(settings, Path(args.model) if args.model else None)
-        # logs which build serves and why; a GPU build's defaults go to every replica's environment
-        binary = prepare_llama_server(os.environ)
+        index = serving_model(settings, Path(args.model) if args.model else None)
+        model = index.path
+        # which build serves and why; a GPU build's defaults go to every replica's environment (as compose's
+        # ${VAR:-default}: what the user set wins)
+        llama = LlamaSettings()
+        plan = plan_serving(llama)
+        announce_plan(plan)
+        for name, value in plan.env.items():
+            os.environ.setdefault(name, value)
+        # the ports and the machine's memory, still before the build
+        check_ports(stack_services(settings, model, planned_binary(plan), "", args.llama_replicas))
+        check_fit(index, llama, plan, args.llama_replicas)
+        binary = llama_server_binary(llama, plan.choice)  # built now unless cached: minutes, or 30 for CUDA
         admin_token = stack_admin_token(settings)
-        services = stack_services(settings, model, binary, admin_token, args.llama_replicas)
-        check_ports(services)
+        timed = with_llama_start_timeout(settings, index.tensor_bytes)
+        services = stack_services(timed, model, binary, admin_token, args.llama_replicas)
+        check_ports(services)  # again: a port may have been taken during the build
         for spec in services:
             print(f"starting {spec.name} ...", file=sys.stderr, flush=True)
             supervisor.start(spec)

@@ -12,7 +12,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from moe_l2_contracts.admin import ADMIN_TOKEN_FILENAME
 from moe_l2_contracts.services import CACHE_MANAGER, LLAMA, PROXY
-from moe_l2_ops.supervisor import STATE_FILENAME, RestartPolicy
+from moe_l2_ops.supervisor import LOG_BACKUPS, LOG_MAX_BYTES, STATE_FILENAME, LogRotation, RestartPolicy
 
 
 class StackSettings(BaseSettings):
@@ -38,6 +38,14 @@ class StackSettings(BaseSettings):
     restart_reset_s: float = Field(default=60.0, ge=0, description="healthy this long: the backoff starts over")
     restart_max_failures: int = Field(default=5, ge=1, description="failures within the window that stop restarts")
     restart_window_s: float = Field(default=300.0, gt=0)
+    # each service's log (moe_l2_ops.supervisor.ServiceLog)
+    log_max_bytes: int = Field(
+        default=LOG_MAX_BYTES, ge=0, description="a service's log rotates at this size; 0: never"
+    )
+    log_backups: int = Field(default=LOG_BACKUPS, ge=1, description="old log files kept: <name>.log.1 ... .N")
+
+    def log_rotation(self) -> LogRotation:
+        return LogRotation(max_bytes=self.log_max_bytes, backups=self.log_backups)
 
     def restart_policy(self) -> RestartPolicy:
         return RestartPolicy(

@@ -7,6 +7,11 @@ Vulkan and RPC test builds upstream's `test-backend-ops`, which tests/test_backe
 result is cached under a key made of the source hash, the patch hashes and the build flags, so a
 second call returns at once.
 
+A build serves unless asked otherwise: `BuildConfig()` and `moe-l2 build-llama` leave the patch series'
+test-only hooks out (what `moe-l2 up`, `make run` and the images serve). The test suite's builds ask for them
+(`BuildConfig(test_hooks=True)` in tests/conftest.py, `--test-hooks` in `make test` and `make check-cuda`), and
+so must anything that replays a route trace (the GPU check, bench/expert_offload.py, bench/ram_tier.py).
+
 Backends: the CPU (default), Vulkan (`--vulkan`: on a machine without a GPU, Mesa's llvmpipe is a
 Vulkan device that runs on the CPU, the project's test bed for the device path), CUDA, and RPC
 (`--rpc`: the CPU build with ggml's RPC backend, plus `ggml-rpc-server`; a llama-server started with
@@ -89,9 +94,12 @@ class BuildConfig:
     # the experts, on a GPU build too. Images and binaries carried to another machine turn it off
     # (`--portable`), and then get llama.cpp's x86-64 baseline (AVX2, no AVX-512 or AMX).
     native: bool = True
-    # the patch series' test-only hooks (-DLLAMA_MOE_TEST_HOOKS: the route trace, LLAMA_MOE_ROUTE_TRACE), which the
-    # tests and benchmarks use; images build without them (`--portable` implies `--no-test-hooks`)
-    test_hooks: bool = True
+    # the patch series' test-only hooks (-DLLAMA_MOE_TEST_HOOKS: the route-trace override LLAMA_MOE_ROUTE_TRACE,
+    # and upstream's test programs beside llama-server, see targets()). Off by default: the default is what
+    # `moe-l2 up` and the images serve, and a serving binary has no use for a hook that overrides the router.
+    # The tests and the trace-replaying benchmarks ask for them (test_hooks=True, `--test-hooks`). A CMake flag,
+    # so a test build and a serving build have different keys and both stay cached.
+    test_hooks: bool = False
     extra_flags: tuple[str, ...] = field(default_factory=tuple)
 
     def cmake_flags(self) -> list[str]:
@@ -158,8 +166,9 @@ def built_with_patch(binary: Path, wanted: Callable[[Path], bool]) -> bool:
 
 def built_with_test_hooks(binary: Path) -> bool:
     """False only where the binary's build-info.json says it was built without the series' test-only
-    hooks (-DLLAMA_MOE_TEST_HOOKS=OFF: `--portable`, the images), which hold the route-trace replay; a
-    binary from elsewhere is given the benefit of the doubt (it fails at load, in one line, if wrong)."""
+    hooks (-DLLAMA_MOE_TEST_HOOKS=OFF: a serving build, `moe-l2 build-llama` without `--test-hooks`, the
+    images), which hold the route-trace replay; a binary from elsewhere is given the benefit of the doubt
+    (it fails at load, in one line, if wrong)."""
     try:
         flags = json.loads((binary.parent.parent / "build-info.json").read_text())["cmake_flags"]
     except (OSError, ValueError, KeyError):
@@ -709,9 +718,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--test-hooks",
         action=argparse.BooleanOptionalAction,
-        help="build the patch series' test-only hooks (-DLLAMA_MOE_TEST_HOOKS, the LLAMA_MOE_ROUTE_TRACE replay) and, "
-        "for the CPU and Vulkan backends, upstream's test-backend-ops next to llama-server; "
-        "default: on, off with --portable (images)",
+        default=False,
+        help="build the test suite's binary: the patch series' test-only hooks (-DLLAMA_MOE_TEST_HOOKS, the "
+        "LLAMA_MOE_ROUTE_TRACE replay) and, for the CPU, Vulkan and RPC backends, upstream's test programs next to "
+        "llama-server (`make test` and `make check-cuda` pass it). Default: off, the build `moe-l2 up` serves",
     )
     parser.add_argument("--out", type=Path, help="also copy the binary to OUT/llama-server")
     parser.add_argument("--cache-dir", type=Path, help="cache folder (default ~/.cache/moe-l2 or MOE_L2_CACHE_DIR)")
@@ -740,7 +750,7 @@ def main(argv: list[str] | None = None) -> int:
             backend="cuda" if args.cuda else "vulkan" if args.vulkan else "rpc" if args.rpc else "cpu",
             cuda_architectures=arch,
             native=not args.portable,
-            test_hooks=not args.portable if args.test_hooks is None else args.test_hooks,
+            test_hooks=args.test_hooks,
         )
         binary = build(config, cache=args.cache_dir, patches_dir=args.patches_dir, jobs=args.jobs, force=args.force)
         if args.out:
