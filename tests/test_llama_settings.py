@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from moe_l2_llama.settings import (
     device_env,
     llama_server_command,
     llama_server_env,
+    warn_ctx_size_deprecated,
 )
 from moe_l2_ops.llama_service import llama_service_spec
 from moe_l2_ops.supervisor import Supervisor, free_port
@@ -86,6 +88,49 @@ def test_the_engine_reads_experts_ahead_under_a_ram_budget_unless_set(
     monkeypatch.setenv("MOE_L2_RAM_BUDGET", budget)  # stack-wide: the cache-manager holds it, llama follows
     settings = LlamaSettings(moe_willneed=willneed)
     assert ("--moe-willneed" in llama_server_command(Path("llama-server"), Path("m.gguf"), settings)) == flag
+
+
+def flag(settings: LlamaSettings, name: str) -> str:
+    cmd = llama_server_command(Path("llama-server"), Path("/models/m.gguf"), settings)
+    return cmd[cmd.index(name) + 1]
+
+
+@pytest.mark.parametrize(
+    ("given", "slots", "total"),
+    [({}, "4", "16384"), ({"ctx_per_request": 8192, "parallel": 3}, "3", "24576"), ({"parallel": 1}, "1", "4096"),
+     ({"ctx_size": 12288}, "4", "12288"), ({"ctx_size": 0, "parallel": 2}, "2", "0")],
+)  # fmt: skip
+def test_the_context_is_each_requests_times_the_slots(given: dict, slots: str, total: str) -> None:
+    """-c is the context of all the slots: 4,096 tokens a request over 4 slots by default; a total given
+    (ctx_size) is -c itself, 0 the model's own context."""
+    settings = LlamaSettings(**given)
+    assert (flag(settings, "--parallel"), flag(settings, "--ctx-size")) == (slots, total)
+
+
+@pytest.mark.parametrize(("env", "alias"), [(None, "moe-l2"), ("", "moe-l2"), ("  ", "moe-l2"), ("acme-7b", "acme-7b")])
+def test_clients_see_moe_l2_unless_named(env: str | None, alias: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One name whatever the model file (not the GGUF's general.name): compose's and Kubernetes' default."""
+    if env is not None:
+        monkeypatch.setenv("MOE_L2_LLAMA_MODEL_ALIAS", env)
+    assert flag(LlamaSettings(), "--alias") == alias
+
+
+def test_the_old_total_warns_once(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """MOE_L2_LLAMA_CTX_SIZE still sets -c, with one line naming its replacement however often the settings are
+    read; a total given in Python (tests, benchmarks) is no variable and says nothing."""
+    warn_ctx_size_deprecated.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="moe_l2.settings"):
+        assert flag(LlamaSettings(ctx_size=2048), "--ctx-size") == "2048"
+        assert not caplog.records
+        monkeypatch.setenv("MOE_L2_LLAMA_CTX_SIZE", "12288")
+        assert [flag(LlamaSettings(), "--ctx-size") for _ in range(2)] == ["12288", "12288"]
+    [record] = caplog.records
+    assert record.getMessage().startswith(
+        "MOE_L2_LLAMA_CTX_SIZE is deprecated: set MOE_L2_LLAMA_CTX_PER_REQUEST instead (-c is it times "
+        "MOE_L2_LLAMA_PARALLEL); MOE_L2_LLAMA_CTX_SIZE=12288 is still the total"
+    )
+    monkeypatch.setenv("MOE_L2_LLAMA_CTX_SIZE", "")  # empty: unset, as compose hands it by default
+    assert flag(LlamaSettings(), "--ctx-size") == "16384"
 
 
 def write_info(tmp_path: Path, info: dict) -> Path:

@@ -110,7 +110,14 @@ SETTINGS: tuple[Setting, ...] = (
         needs=MappingProxyType({"MOE_L2_LLAMA_EXPERT_CACHE_BYTES": "4G"}),
     ),
     Setting("llama-server's slots (KV cache)", "llama", "parallel", "3"),
-    Setting("llama-server's context (KV cache)", "llama", "ctx_size", "12288"),
+    Setting(
+        "llama-server's context per request (KV cache)",
+        "llama",
+        "ctx_per_request",
+        "8192",
+        needs=MappingProxyType({"MOE_L2_LLAMA_PARALLEL": "1"}),
+    ),
+    Setting("llama-server's context, all slots together (deprecated total)", "llama", "ctx_size", "12288"),
     Setting("the expert pool's host-memory budget", "cache-manager", "pool_bytes", "4294967296"),
     Setting(
         "the model file's resident memory (the RAM tier)",

@@ -172,7 +172,7 @@ def stack(engine: Engine, torch_find_links: str, tmp_path_factory: pytest.TempPa
         MOE_L2_TEST_TORCH_FIND_LINKS=torch_find_links,
         MOE_L2_TEST_MEMLOCK=_memlock_limit(),
         # small: the demo model needs little, and the llama container must not reserve GiBs
-        MOE_L2_LLAMA_CTX_SIZE="4096",
+        MOE_L2_LLAMA_CTX_PER_REQUEST="1024",  # x 4 slots: -c 4096
         # two llama replicas: each cache-manager holds the hot set of what the proxy routes to it
         MOE_L2_CACHE_HOT_SET_SCOPE="traffic",
     )

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shlex
@@ -14,7 +15,7 @@ from functools import cache
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from moe_l2_contracts.admin import configured_token
@@ -24,6 +25,19 @@ from moe_l2_domains.known import known_domains
 from moe_l2_llama import cuda_toolchain
 from moe_l2_llama.backend import BackendChoice, GpuDetection, choose_backend, probe_vulkan
 from moe_l2_llama.build import BuildConfig, BuildError, build, built_binary
+
+log = logging.getLogger("moe_l2.settings")  # where the convention's renamed variables warn too
+
+# The defaults every launcher starts llama-server with (`moe-l2 up` from these fields, compose.yaml's
+# `${VAR:-default}` and the Kubernetes base's values; tests/test_launcher_settings.py holds them equal).
+# Four slots of 4,096 tokens each: llama-server's -c is the context of all its slots together.
+DEFAULT_PARALLEL = 4
+DEFAULT_CTX_PER_REQUEST = 4096
+# One name whatever the file, on every launcher: the containers cannot read the GGUF's own name
+# (llama's image has no Python; llama-server alone would report the model's path), and clients
+# configured with it keep working when the model file changes.
+DEFAULT_MODEL_ALIAS = "moe-l2"
+CTX_SIZE_ENV = LLAMA.env_prefix + "CTX_SIZE"  # the total before ctx_per_request: still read, with a warning
 
 
 class LlamaSettings(ServiceSettings):
@@ -57,8 +71,19 @@ class LlamaSettings(ServiceSettings):
     )
     host: str = "127.0.0.1"
     port: int = Field(default=LLAMA.port, ge=1, le=65535)
-    parallel: int = Field(default=4, ge=1, le=256, description="llama-server slots (-np)")
-    ctx_size: int = Field(default=4096, ge=0, description="total context over all slots (-c)")
+    parallel: int = Field(default=DEFAULT_PARALLEL, ge=1, le=256, description="llama-server slots (-np)")
+    ctx_per_request: int = Field(
+        default=DEFAULT_CTX_PER_REQUEST,
+        ge=1,
+        description="context of each request, in tokens (prompt and answer): llama-server's -c is this times "
+        "parallel, the context of all the slots together",
+    )
+    ctx_size: int | None = Field(
+        default=None,
+        ge=0,
+        description="total context over all slots (-c), instead of ctx_per_request times parallel; "
+        "MOE_L2_LLAMA_CTX_SIZE is deprecated (a warning): set MOE_L2_LLAMA_CTX_PER_REQUEST",
+    )
     threads: int | None = Field(default=None, ge=1, description="CPU threads (-t), llama.cpp picks if unset")
     telemetry: bool = Field(default=True, description="per-domain routing telemetry (LLAMA_MOE_TELEMETRY)")
     cpu_moe: bool | None = Field(
@@ -80,7 +105,8 @@ class LlamaSettings(ServiceSettings):
         "AMX, where the repacked path crashes (see cpu_has_amx), on elsewhere",
     )
     model_alias: str = Field(
-        default="", description="the model name clients see (default: the GGUF's general.name, else the file stem)"
+        default=DEFAULT_MODEL_ALIAS,
+        description="the model name clients see in /v1/models, /api/tags and every answer (empty: the default)",
     )
     admin_token: str = stack_wide(
         "ADMIN_TOKEN", default="", description="required by llama's admin calls (see moe_l2_contracts.admin)"
@@ -110,6 +136,37 @@ class LlamaSettings(ServiceSettings):
         description="as soon as a MoE layer's router has chosen, read the chosen experts ahead from the mapped "
         "model (--moe-willneed); unset: on when MOE_L2_RAM_BUDGET is set",
     )
+
+    @field_validator("parallel", "ctx_per_request", "ctx_size", "model_alias", mode="before")
+    @classmethod
+    def _empty_is_the_default(cls, value: object, info: ValidationInfo) -> object:
+        # as compose's ${MOE_L2_LLAMA_PARALLEL:-4}: an empty variable is an unset one, on every launcher
+        if isinstance(value, str) and not value.strip():
+            return cls.model_fields[str(info.field_name)].default
+        return value
+
+    @model_validator(mode="after")
+    def _warn_of_the_total(self) -> LlamaSettings:
+        # the variable, not the field: tests and benchmarks give a total in Python, without a warning
+        for name in (CTX_SIZE_ENV, *(old for old, field in self.renamed_env.items() if field == "ctx_size")):
+            if given := os.environ.get(name, "").strip():
+                warn_ctx_size_deprecated(name, given)
+        return self
+
+
+@cache
+def warn_ctx_size_deprecated(name: str, value: str) -> None:
+    """One line, once per value: `moe-l2 up` builds the settings several times (its plan, each replica)."""
+    log.warning(
+        "%s is deprecated: set %sCTX_PER_REQUEST instead (-c is it times %sPARALLEL); %s=%s is still the total",
+        name, LLAMA.env_prefix, LLAMA.env_prefix, name, value,
+    )  # fmt: skip
+
+
+def total_context(settings: LlamaSettings) -> int:
+    """llama-server's -c, the context of all its slots together: each request's times the slots, unless
+    a total is given (ctx_size)."""
+    return settings.ctx_size if settings.ctx_size is not None else settings.ctx_per_request * settings.parallel
 
 
 def expert_cache_on(settings: LlamaSettings) -> bool:
@@ -244,7 +301,7 @@ def llama_server_command(binary: Path, model: Path, settings: LlamaSettings) -> 
         "--host", settings.host,
         "--port", str(settings.port),
         "--parallel", str(settings.parallel),
-        "--ctx-size", str(settings.ctx_size),
+        "--ctx-size", str(total_context(settings)),
         "--metrics",
         "--no-webui",
     ]  # fmt: skip
@@ -266,24 +323,9 @@ def llama_server_command(binary: Path, model: Path, settings: LlamaSettings) -> 
     if not repack:
         cmd.append("--no-repack")
     # clients see a model name, never the host path llama-server would report as the model id
-    cmd += ["--alias", settings.model_alias or model_name(model)]
+    cmd += ["--alias", settings.model_alias]
     cmd += shlex.split(settings.extra_args)
     return cmd
-
-
-def model_name(model: Path) -> str:
-    """The GGUF's `general.name`, else the file's stem (a split model's shard suffix dropped)."""
-    try:
-        from gguf import GGUFReader
-
-        field = GGUFReader(model).get_field("general.name")
-        if field is not None:
-            name = str(field.contents()).strip()
-            if name:
-                return name
-    except (OSError, ValueError, KeyError, IndexError):
-        pass  # not readable as GGUF here: llama-server will say why; the stem still names it
-    return re.sub(r"-\d{5}-of-\d{5}$", "", model.stem)
 
 
 def llama_server_env(settings: LlamaSettings) -> dict[str, str]:
