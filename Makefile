@@ -5,6 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 MOE := $(VENV)/bin/moe-l2
 STAMP := $(VENV)/.installed
+RUN_STAMP := $(VENV)/.installed-run
 
 # check-cuda's target GPU: Hopper (H100/H200) by default, a compile check that needs no GPU here;
 # ARCH=native compiles for the GPU of this machine (one must be present).
@@ -13,32 +14,53 @@ ARCH ?= 90
 .PHONY: install lock run test check lint format bench build-llama build-llama-vulkan check-cuda bench-gpu demo-model clean help
 
 help:
-	@echo "make install   create $(VENV) with moe-l2 and its dev tools, from the lock file"
+	@echo "make install   create $(VENV) with moe-l2 and its dev tools, from the lock file (test, check and lint do)"
 	@echo "make lock      re-resolve the lock files requirements/*.txt (UPGRADE=1: newest versions)"
-	@echo "make run       start the stack locally (MODEL=path.gguf, else a generated demo model)"
+	@echo "make run       start the stack locally (MODEL=path.gguf, else a generated demo model); installs no dev tools"
 	@echo "make test      run the test suite (builds the CPU and Vulkan llama-servers on first use)"
 	@echo "make check     the inner loop: the tests that need no llama build, no Docker, no Vulkan (~4 min)"
 	@echo "make check-cuda  compile and link the CUDA llama-server for ARCH (default 90; ARCH=native on a GPU)"
 	@echo "make bench-gpu   the GPU check: CUDA build, ds-v2-lite shape, offload benchmark"
-	@echo "make lint      ruff check + format check, hadolint on the Dockerfiles, the import layers and cycles"
-	@echo "make bench     run the benchmarks under bench/ (JSON results in bench/results/)"
+	@echo "make lint      ruff check + format check, hadolint on the Dockerfiles, the import layers and cycles, the docs' names"
+	@echo "make bench     the routing telemetry's cost: bench/telemetry_overhead.py (JSON in bench/results/)"
 
 install: $(STAMP)
 
-# The lock file (docs/dependencies.md): every package at its pinned version, every file checked
+# The lock files (docs/dependencies.md): every package at its pinned version, every file checked
 # against its hash, then the project itself, editable, with no resolution of its own
-# (--no-deps) and built by the locked setuptools (--no-build-isolation). torch is the local CPU
+# (--no-deps) and built by the locked setuptools (--no-build-isolation). Two installs share the
+# venv: the developer's (dev.txt: the stack and the dev tools, for test, check, lint) and the
+# stack's alone (run.txt, for run: the same pins, none of the tools). torch is the local CPU
 # build where pip's find-links holds one (the torch-cpu.txt constraint selects it); elsewhere it
 # is PyPI's, whose CUDA libraries are locked apart (torch-cuda.txt). find-links: the environment's
 # (PIP_FIND_LINKS) and pip's configuration's, as pip itself reads them.
 LOCK := requirements/dev.txt
+RUN_LOCK := requirements/run.txt
 FIND_LINKS := $(PIP_FIND_LINKS) $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
 TORCH_LOCK := $(if $(wildcard $(addsuffix /torch-*+*.whl,$(FIND_LINKS))),\
 	-c requirements/torch-cpu.txt,-r requirements/torch-cuda.txt)
 
+# Debian 12's python3 has no ensurepip until `apt-get install python3-venv`: `-m venv` then prints
+# ten lines and leaves a venv without pip behind. Checked first, so that it is one line and nothing
+# is made (expanded only when a venv is to be made: $(error) stops make there). version() finds the
+# pip wheel ensurepip installs, which a bare `import` of a leftover empty folder would not.
+VENV_ERROR = $(PYTHON) cannot make a virtual environment (no ensurepip): apt-get install python3-venv
+define make_venv
+$(if $(shell $(PYTHON) -c 'import ensurepip, venv; ensurepip.version()' >/dev/null 2>&1 || echo no),\
+	$(error $(VENV_ERROR)))
+$(PYTHON) -m venv $(VENV)
+endef
+
+# dev.txt holds all of run.txt at the same pins: a developer's venv is also the stack's.
 $(STAMP): pyproject.toml $(LOCK) $(lastword $(TORCH_LOCK))
-	$(PYTHON) -m venv $(VENV)
+	$(make_venv)
 	$(PY) -m pip install --quiet --require-hashes -r $(LOCK) $(TORCH_LOCK)
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	@touch $@ $(RUN_STAMP)
+
+$(RUN_STAMP): pyproject.toml $(RUN_LOCK) $(lastword $(TORCH_LOCK))
+	$(make_venv)
+	$(PY) -m pip install --quiet --require-hashes -r $(RUN_LOCK) $(TORCH_LOCK)
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	@touch $@
 
@@ -65,7 +87,8 @@ check-cuda: $(STAMP)
 bench-gpu:
 	bench/gpu_check.sh $(if $(LLVMPIPE),--llvmpipe) $(if $(BINARY),--binary $(BINARY)) $(GPU_CHECK_ARGS)
 
-run: $(STAMP)
+# The stack alone: no dev tool is installed for it (run.txt).
+run: $(RUN_STAMP)
 	$(MOE) up $(if $(MODEL),--model $(MODEL))
 
 # The engines are built (or found in the cache) before pytest so their progress is visible. The
@@ -74,9 +97,9 @@ run: $(STAMP)
 # compiles the probe's pipelines into Mesa's shader cache, a step with its time (tests/llvmpipe_probe.py:
 # a cold cache once outran the probe's bound and failed CI on a fresh machine, issue 42).
 test: $(STAMP)
-	$(MOE) build-llama
-	$(MOE) build-llama --rpc
-	$(if $(or $(CI),$(shell command -v glslc)),$(MOE) build-llama --vulkan && $(PY) -m tests.llvmpipe_probe)
+	$(MOE) build-llama --test-hooks
+	$(MOE) build-llama --rpc --test-hooks
+	$(if $(or $(CI),$(shell command -v glslc)),$(MOE) build-llama --vulkan --test-hooks && $(PY) -m tests.llvmpipe_probe)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The inner loop (README, "Which to run"): the tests that need no llama.cpp build, no Docker engine and no
@@ -92,11 +115,14 @@ DOCKERFILES := $(wildcard services/*/Dockerfile tests/containers/standins/*.Dock
 
 # lint-imports: pyproject.toml's contracts, the packages' layers and no import cycle among the modules
 # (tests/import_cycles.py: a broken one lists every cycle, each import on it with its line).
+# docs_check: every make target, moe-l2 subcommand and flag, and MOE_L2_* variable that README.md and
+# docs/*.md name exists in the code (moe_l2_ops/docs_check.py), each stale one as file:line.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/hadolint --config .hadolint.yaml $(DOCKERFILES)
 	$(VENV)/bin/lint-imports
+	$(PY) -m moe_l2_ops.docs_check
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .

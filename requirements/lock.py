@@ -1,14 +1,16 @@
 """Writes the lock files under requirements/ (`make lock`): every version pinned, every file hashed.
 
-One lock per install: dev.txt for the developer's venv (`.[all,dev]`), proxy.txt, cache.txt and
-predictor.txt for the images (their extra), and torch-cuda.txt, the NVIDIA libraries PyPI's torch
-for Linux needs. Each holds the build backend too ([build-system] requires), so that the project's
-own wheel is built offline (--no-build-isolation) by a pinned setuptools.
+One lock per install: dev.txt for the developer's venv (`.[all,dev]`), run.txt for the stack alone
+(`make run`: `.[all]`, no dev tools), proxy.txt, cache.txt and predictor.txt for the images (their
+extra), and torch-cuda.txt, the NVIDIA libraries PyPI's torch for Linux needs. Each holds the build
+backend too ([build-system] requires), so that the project's own wheel is built offline
+(--no-build-isolation) by a pinned setuptools.
 
 - universal (uv's --universal): one lock for every Python pyproject.toml allows and every platform,
   with markers where versions differ: the venv here and the stand-in images run Python 3.11, the
   public python:3.12 image 3.12;
-- the image locks are resolved under dev.txt as a constraint: an image runs what the tests ran;
+- run.txt and the image locks are resolved under dev.txt as a constraint: the stack runs what the
+  tests ran;
 - torch's CUDA libraries are kept out of the other locks: the CPU build of torch needs none of them
   (gigabytes), and PyPI's torch for Linux gets them from torch-cuda.txt;
 - torch's entry also carries the hashes of the local builds of the pinned version found in pip's
@@ -36,7 +38,13 @@ HERE = REPO / "requirements"
 # The torch version, pinned: the one whose CPU build lies in find-links (see torch.in).
 TORCH_IN = HERE / "torch.in"
 # A lock per install, and the extras it holds; dev.txt first, the others are resolved under it.
-LOCKS = {"dev": ("all", "dev"), "proxy": ("proxy",), "cache": ("cache",), "predictor": ("predictor",)}
+LOCKS = {
+    "dev": ("all", "dev"),
+    "run": ("all",),
+    "proxy": ("proxy",),
+    "cache": ("cache",),
+    "predictor": ("predictor",),
+}
 CUDA_LOCK = "torch-cuda"
 CPU_CONSTRAINT = "torch-cpu"
 HEADER_COMMAND = "make lock"

@@ -20,7 +20,13 @@ REPO = Path(__file__).resolve().parent.parent
 REQUIREMENTS = REPO / "requirements"
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 # Each lock and the extras it installs (requirements/lock.py writes them).
-LOCKS = {"dev": ("all", "dev"), "proxy": ("proxy",), "cache": ("cache",), "predictor": ("predictor",)}
+LOCKS = {
+    "dev": ("all", "dev"),
+    "run": ("all",),  # what `make run` installs: the stack without the development tools
+    "proxy": ("proxy",),
+    "cache": ("cache",),
+    "predictor": ("predictor",),
+}
 # The Pythons the lock is used with: the venv here and the stand-in images (3.11, also the floor
 # pyproject.toml allows: Debian 12's, and tomllib's), the public python:3.12 image.
 PYTHONS = ("3.11", "3.12")
