@@ -176,7 +176,7 @@ def test_missing_cmake_is_one_clear_line(tmp_path: Path) -> None:
     bare.mkdir()
     # Only the interpreter on PATH: no cmake, no compiler.
     (bare / "python").symlink_to(sys.executable)
-    result = run_build({"PATH": str(bare), "MOE_L2_CACHE_DIR": str(tmp_path / "cache")})
+    result = run_build({"PATH": str(bare), "MOE_L2_BUILD_CACHE_DIR": str(tmp_path / "cache")})
     assert result.returncode == 1
     assert error_lines(result.stderr) == ["error: cmake not found on PATH: install it (e.g. `apt-get install cmake`)"]
     assert "Traceback" not in result.stderr
@@ -188,7 +188,7 @@ def test_missing_compiler_is_one_clear_line(tmp_path: Path) -> None:
     cmake = shutil.which("cmake")
     assert cmake, "cmake is needed to build llama-server"
     (bare / "cmake").symlink_to(cmake)
-    result = run_build({"PATH": str(bare), "CXX": "", "MOE_L2_CACHE_DIR": str(tmp_path / "cache")})
+    result = run_build({"PATH": str(bare), "CXX": "", "MOE_L2_BUILD_CACHE_DIR": str(tmp_path / "cache")})
     assert result.returncode == 1
     assert len(error_lines(result.stderr)) == 1
     assert "no C++ compiler" in result.stderr
@@ -197,7 +197,7 @@ def test_missing_compiler_is_one_clear_line(tmp_path: Path) -> None:
 def test_corrupted_archive_is_one_clear_line(tmp_path: Path) -> None:
     bad = tmp_path / build_mod.SDIST_NAME
     bad.write_bytes(b"not a tarball" * 1000)
-    result = run_build({"MOE_L2_LLAMA_SDIST": str(bad), "MOE_L2_CACHE_DIR": str(tmp_path / "cache")})
+    result = run_build({"MOE_L2_LLAMA_SDIST": str(bad), "MOE_L2_BUILD_CACHE_DIR": str(tmp_path / "cache")})
     assert result.returncode == 1
     lines = error_lines(result.stderr)
     assert len(lines) == 1
@@ -208,7 +208,7 @@ def test_corrupted_cached_archive_is_removed(tmp_path: Path) -> None:
     cached = tmp_path / "cache" / "src" / build_mod.SDIST_NAME
     cached.parent.mkdir(parents=True)
     cached.write_bytes(b"\x1f\x8b truncated")
-    result = run_build({"MOE_L2_CACHE_DIR": str(tmp_path / "cache")})
+    result = run_build({"MOE_L2_BUILD_CACHE_DIR": str(tmp_path / "cache")})
     assert result.returncode == 1
     assert "run again to download it anew" in error_lines(result.stderr)[0]
     assert not cached.exists()
@@ -228,7 +228,7 @@ def test_patch_that_does_not_apply_is_one_clear_line(tmp_path: Path, llama_binar
         {
             "MOE_L2_LLAMA_SDIST": str(archive),
             "MOE_L2_PATCHES_DIR": str(patches),
-            "MOE_L2_CACHE_DIR": str(tmp_path / "cache"),
+            "MOE_L2_BUILD_CACHE_DIR": str(tmp_path / "cache"),
         }
     )
     assert result.returncode == 1
@@ -574,7 +574,7 @@ def test_a_cuda_build_of_the_current_patches_is_current_whatever_its_flags(
     current = {p.name: build_mod.hashlib.sha256(p.read_bytes()).hexdigest() for p in patches}
     stale = {**current, patches[-1].name: "0" * 64}
     _fake_build(tmp_path, "aaaa", "cpu", stale, ["-DGGML_NATIVE=ON"])
-    monkeypatch.setenv("MOE_L2_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("MOE_L2_BUILD_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("PATH", str(tmp_path / "no-tools"))
     monkeypatch.delenv("MOE_L2_LLAMA_SERVER", raising=False)
     monkeypatch.delenv("MOE_L2_LLAMA_BACKEND", raising=False)
@@ -601,3 +601,19 @@ def test_the_experts_are_read_ahead_only_when_asked() -> None:
     graph = added["src/llama-graph.cpp"]
     built = [i for i, line in enumerate(graph) if "build_moe_willneed(selected_experts" in line]
     assert len(built) == 1 and graph[built[0] - 1].strip() == "if (cparams.moe_willneed) {"
+
+
+def test_the_build_cache_s_old_variable_still_works_with_one_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """MOE_L2_CACHE_DIR read like a cache-manager setting (MOE_L2_CACHE_*): the build's is MOE_L2_BUILD_CACHE_DIR;
+    the old name is read for one release, with one line, and the new one wins."""
+    monkeypatch.delenv("MOE_L2_BUILD_CACHE_DIR", raising=False)
+    monkeypatch.setenv("MOE_L2_CACHE_DIR", str(tmp_path / "old"))
+    monkeypatch.setattr(build_mod, "_warned_old_cache_env", set())
+    assert build_mod.default_cache_dir() == tmp_path / "old"
+    assert build_mod.default_cache_dir() == tmp_path / "old"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["MOE_L2_CACHE_DIR is deprecated: set MOE_L2_BUILD_CACHE_DIR instead (the build cache)"]
+    monkeypatch.setenv("MOE_L2_BUILD_CACHE_DIR", str(tmp_path / "new"))
+    assert build_mod.default_cache_dir() == tmp_path / "new"

@@ -116,7 +116,7 @@ def test_arch_values(toolkit: tc.Toolkit) -> None:
 )
 def test_bad_arch_is_one_line(tmp_path: Path, toolkit: tc.Toolkit, arch: str, message: str) -> None:
     # run as the image runs it, a script next to cuda_toolchain.py; nothing is fetched or built
-    env = {**os.environ, "MOE_L2_CACHE_DIR": str(tmp_path)}
+    env = {**os.environ, "MOE_L2_BUILD_CACHE_DIR": str(tmp_path)}
     result = subprocess.run(
         [sys.executable, str(BUILD_SCRIPT), "--cuda", "--arch", arch],
         capture_output=True,

@@ -135,8 +135,8 @@ def test_the_projects_settings_are_found_without_a_list() -> None:
     # one per kind: a prefixed field, a stack-wide alias, a name from before the rule, ops' own settings
     assert {"MOE_L2_PREDICTOR_CACHE_DIR", "MOE_L2_MODEL_PATH", "MOE_L2_POOL_BYTES", "MOE_L2_STATE_DIR"} <= names
     # the llama build's cache folder is read by the build, not by a settings model
-    assert "MOE_L2_CACHE_DIR" not in names
-    assert "MOE_L2_CACHE_DIR" in docs_check.code_env(REPO)
+    assert "MOE_L2_BUILD_CACHE_DIR" not in names
+    assert "MOE_L2_BUILD_CACHE_DIR" in docs_check.code_env(REPO)
 
 
 def test_environment_reads_count_and_writes_do_not() -> None:

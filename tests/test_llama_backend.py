@@ -74,7 +74,7 @@ def bin_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = tmp_path / "bin"
     path.mkdir()
     monkeypatch.setenv("PATH", str(path))
-    monkeypatch.setenv("MOE_L2_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("MOE_L2_BUILD_CACHE_DIR", str(tmp_path / "cache"))
     for name in ("MOE_L2_LLAMA_BACKEND", "MOE_L2_LLAMA_SERVER", "GGML_VK_VISIBLE_DEVICES", "LP_NUM_THREADS", *PLAN_ENV):
         monkeypatch.setenv(name, "")  # recorded, so that what the test (or the plan) sets is undone
         monkeypatch.delenv(name)

@@ -69,9 +69,9 @@ http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
 
 @pytest.fixture
 def stamps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The warm stamps in a folder of the test's (MOE_L2_CACHE_DIR), with a shader cache of its own."""
+    """The warm stamps in a folder of the test's (MOE_L2_BUILD_CACHE_DIR), with a shader cache of its own."""
     monkeypatch.setenv("MESA_SHADER_CACHE_DIR", str(tmp_path / "mesa"))
-    monkeypatch.setenv("MOE_L2_CACHE_DIR", str(tmp_path / "moe-l2"))
+    monkeypatch.setenv("MOE_L2_BUILD_CACHE_DIR", str(tmp_path / "moe-l2"))
     return tmp_path / "moe-l2" / "llvmpipe-warm"
 
 

@@ -139,7 +139,7 @@ def test_a_tampered_archive_is_one_line_from_build_llama(trimmed: Path, tmp_path
                 data += b"\n// one more line\n"
                 member.size = len(data)
             dst.addfile(member, io.BytesIO(data))
-    env = {**os.environ, "MOE_L2_LLAMA_SOURCE": str(bad), "MOE_L2_CACHE_DIR": str(tmp_path / "cache")}
+    env = {**os.environ, "MOE_L2_LLAMA_SOURCE": str(bad), "MOE_L2_BUILD_CACHE_DIR": str(tmp_path / "cache")}
     result = subprocess.run(MOE, capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 1
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
@@ -148,7 +148,7 @@ def test_a_tampered_archive_is_one_line_from_build_llama(trimmed: Path, tmp_path
 
 
 def test_a_missing_source_archive_is_one_line(tmp_path: Path) -> None:
-    env = {**os.environ, "MOE_L2_LLAMA_SOURCE": str(tmp_path / "nope.tar.xz"), "MOE_L2_CACHE_DIR": str(tmp_path)}
+    env = {**os.environ, "MOE_L2_LLAMA_SOURCE": str(tmp_path / "nope.tar.xz"), "MOE_L2_BUILD_CACHE_DIR": str(tmp_path)}
     result = subprocess.run(MOE, capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 1
     missing = tmp_path / "nope.tar.xz"

@@ -222,7 +222,7 @@ def _bin_without_glslc(tmp_path: Path) -> Path:
 def test_vulkan_without_its_packages_is_one_clear_line(tmp_path: Path) -> None:
     if not shutil.which("cmake") or not (shutil.which("c++") or shutil.which("g++")):
         pytest.skip("cmake and a C++ compiler are checked first")
-    env = {**os.environ, "PATH": str(_bin_without_glslc(tmp_path)), "MOE_L2_CACHE_DIR": str(tmp_path / "cache")}
+    env = {**os.environ, "PATH": str(_bin_without_glslc(tmp_path)), "MOE_L2_BUILD_CACHE_DIR": str(tmp_path / "cache")}
     env.pop("VULKAN_SDK", None)
     result = subprocess.run(
         [sys.executable, "-m", "moe_l2_ops.cli", "build-llama", "--vulkan"],

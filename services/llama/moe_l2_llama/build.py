@@ -133,8 +133,23 @@ class BuildConfig:
         return targets
 
 
+BUILD_CACHE_ENV = "MOE_L2_BUILD_CACHE_DIR"
+# its old name, read for one release: MOE_L2_CACHE_* are the cache-manager's settings, which it read like one
+OLD_BUILD_CACHE_ENV = "MOE_L2_CACHE_DIR"
+_warned_old_cache_env: set[str] = set()
+
+
 def default_cache_dir() -> Path:
-    if env := os.environ.get("MOE_L2_CACHE_DIR"):
+    """The build cache (the built llama-servers, the source, Mesa's warm stamps): MOE_L2_BUILD_CACHE_DIR,
+    else $XDG_CACHE_HOME/moe-l2 (~/.cache/moe-l2)."""
+    if env := os.environ.get(BUILD_CACHE_ENV):
+        return Path(env)
+    if env := os.environ.get(OLD_BUILD_CACHE_ENV):
+        if env not in _warned_old_cache_env:
+            _warned_old_cache_env.add(env)
+            print(
+                f"{OLD_BUILD_CACHE_ENV} is deprecated: set {BUILD_CACHE_ENV} instead (the build cache)", file=sys.stderr
+            )
         return Path(env)
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "moe-l2"
@@ -724,7 +739,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "llama-server (`make test` and `make check-cuda` pass it). Default: off, the build `moe-l2 up` serves",
     )
     parser.add_argument("--out", type=Path, help="also copy the binary to OUT/llama-server")
-    parser.add_argument("--cache-dir", type=Path, help="cache folder (default ~/.cache/moe-l2 or MOE_L2_CACHE_DIR)")
+    parser.add_argument(
+        "--cache-dir", type=Path, help="cache folder (default ~/.cache/moe-l2 or MOE_L2_BUILD_CACHE_DIR)"
+    )
     parser.add_argument("--patches-dir", type=Path, help="patch series folder (default services/llama/patches)")
     parser.add_argument("-j", "--jobs", type=int, help="parallel compile jobs (default: all cores)")
     parser.add_argument("--force", action="store_true", help="rebuild even when the cache has the binary")

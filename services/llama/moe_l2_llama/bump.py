@@ -345,7 +345,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, help="write the refreshed series here when no patch needs work")
     parser.add_argument("--json", type=Path, help="also write the survey as JSON")
     parser.add_argument("--work", type=Path, help="the git repository's folder (default: CACHE/bump/VERSION)")
-    parser.add_argument("--cache-dir", type=Path, help="cache folder (default ~/.cache/moe-l2 or MOE_L2_CACHE_DIR)")
+    parser.add_argument(
+        "--cache-dir", type=Path, help="cache folder (default ~/.cache/moe-l2 or MOE_L2_BUILD_CACHE_DIR)"
+    )
     parser.add_argument("--patches-dir", type=Path, help="patch series folder (default services/llama/patches)")
     parser.add_argument("--index", default=os.environ.get("MOE_L2_PYPI_INDEX", build.DEFAULT_INDEX))
     return parser.parse_args(argv)
