@@ -221,28 +221,6 @@ SHAPES: dict[str, ModelShape] = {
         rms_eps=1e-6,
         qk_norm=True,
     ),
-    # Qwen/Qwen3-235B-A22B config.json
-    "qwen3-235b-a22b": ModelShape(
-        name="qwen3-235b-a22b",
-        arch="qwen3moe",
-        source="Qwen/Qwen3-235B-A22B",
-        n_layer=94,
-        n_dense_lead=0,
-        n_expert=128,
-        n_expert_used=8,
-        n_expert_shared=0,
-        n_embd=4096,
-        n_ff=12288,
-        n_ff_exp=1536,
-        n_head=64,
-        n_head_kv=4,
-        head_dim=128,
-        n_vocab=151936,
-        n_ctx_train=40960,
-        rope_freq_base=1000000.0,
-        rms_eps=1e-6,
-        qk_norm=True,
-    ),
     # openai/gpt-oss-20b config.json
     "gpt-oss-20b": ModelShape(
         name="gpt-oss-20b",
@@ -365,6 +343,17 @@ SHAPES: dict[str, ModelShape] = {
     ),
 }
 
+# Qwen/Qwen3-235B-A22B config.json: Qwen3-30B-A3B's experts and attention heads, wider and deeper
+SHAPES["qwen3-235b-a22b"] = replace(
+    SHAPES["qwen3-30b-a3b"],
+    name="qwen3-235b-a22b",
+    source="Qwen/Qwen3-235B-A22B",
+    n_layer=94,
+    n_embd=4096,
+    n_ff=12288,
+    n_ff_exp=1536,
+    n_head=64,
+)
 # openai/gpt-oss-120b config.json: gpt-oss-20b's layer, deeper and with four times the experts
 SHAPES["gpt-oss-120b"] = replace(
     SHAPES["gpt-oss-20b"], name="gpt-oss-120b", source="openai/gpt-oss-120b", n_layer=36, n_expert=128
