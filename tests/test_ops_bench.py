@@ -86,3 +86,20 @@ def test_bench_on_the_rpc_device_writes_its_table_json_and_png(rpc_binary: Path,
     measured = report["placements"]["50%"]["configs"]
     assert all(measured[c]["status"] == "measured" for c in bench.PLACEMENTS)
     assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_ram_tier_table_sets_moe_l2_against_stock_at_each_budget() -> None:
+    def config(tps: float, read: float, resident: int) -> dict:
+        return {"decode_tokens_per_s": tps, "read_bytes_per_token": read, "max_model_resident_bytes": resident}
+
+    doc = {
+        "budgets": {
+            "50": {
+                "budget_bytes": 2**30,
+                "configs": {"stock": config(10.0, 8e6, 2**31), "moe-l2": config(15.0, 2e6, 2**30)},
+            }
+        }
+    }
+    lines = bench.ram_tier_lines(doc).splitlines()
+    assert lines[2] == "| 50% of the experts | stock | 10.0 | 8.0 | 2.00 | 1.00 |  |"
+    assert lines[3] == "| 50% of the experts | moe-l2 | 15.0 | 2.0 | 1.00 | 1.00 | **1.50x** |"

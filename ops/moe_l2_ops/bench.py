@@ -331,9 +331,24 @@ def write_report(report: dict[str, Any], rows: list[Row], out: Path) -> None:
 
 
 def ram_tier_lines(doc: dict[str, Any]) -> str:
-    """The RAM tier's own summary lines, as its JSON gives them."""
-    summary = doc.get("summary") or doc.get("results") or {}
-    return "```\n" + json.dumps(summary, indent=1)[:3000] + "\n```"
+    """bench/ram_tier.py's figures a budget and config: decode, bytes read from storage, the model's residency."""
+    lines = [
+        "| memory budget | config | decode tok/s | read MB/token | max model resident GiB | budget GiB | vs stock |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for pct, at in (doc.get("budgets") or {}).items():
+        configs = at.get("configs") or {}
+        stock = (configs.get("stock") or {}).get("decode_tokens_per_s")
+        for name, c in configs.items():
+            tps = c.get("decode_tokens_per_s") or 0.0
+            ratio = f"**{tps / stock:.2f}x**" if name != "stock" and stock else ""
+            read_mb = (c.get("read_bytes_per_token") or 0) / 1e6
+            resident = (c.get("max_model_resident_bytes") or 0) / 2**30
+            lines.append(
+                f"| {pct}% of the experts | {name} | {tps:.1f} | {read_mb:.1f} | {resident:.2f} "
+                f"| {at['budget_bytes'] / 2**30:.2f} | {ratio} |"
+            )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
