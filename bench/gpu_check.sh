@@ -318,6 +318,7 @@ if [ "$MODE" = gpu ]; then
   ID_ARGS=(--prompts 6 --tokens 48 --slots "7,32")
   # caps per step (s): 50% has 11 rows and 2 -np 4 servers, 25% (and 12.5% if asked) 9 rows; identity 7
   CAPS=(230 130 90) ID_CAP=110
+  OSS_CONFIGS=a,b,cp,e,ea
   # gpt-oss: identity on 2 prompts x 32 tokens at 8 and 16 of 32 slots; 5 rows of 1 run x 32 tokens
   OSS_ID_ARGS=(--prompts 2 --tokens 32 --slots "8,16") OSS_RUN=(--runs 1 --tokens 32) OSS_ID_CAP=70 OSS_CAP=100
 else
@@ -335,6 +336,11 @@ else
   [ "$MODE" = llvmpipe ] && ID_ARGS=(--prompts 2 --tokens 4 --prompt-words "$WORDS" --slots "32")
   CAPS=(600 600 600) ID_CAP=600
   OSS_ID_ARGS=(--prompts 2 --tokens 4 --prompt-words "$WORDS" --slots "8,16") OSS_RUN=() OSS_ID_CAP=600 OSS_CAP=600
+  OSS_CONFIGS=a,b,cp,e,ea
+  # llvmpipe: a server's warm-up takes ~2 min on one thread there: identity at 16 slots, and b against ea
+  if [ "$MODE" = llvmpipe ]; then
+    OSS_ID_ARGS=(--prompts 2 --tokens 4 --prompt-words "$WORDS" --slots "16") OSS_CONFIGS=b,ea OSS_ID_CAP=900 OSS_CAP=900
+  fi
   # llvmpipe on one thread (docs/test-bed.md) warms 11 servers up in ~7 min on 2 cores: a rehearsal's steps
   # get the time they need (with --budget to match); the GPU's caps above are what the lent machine runs
   [ "$MODE" = llvmpipe ] && CAPS=(1500 1000 1000) ID_CAP=900
@@ -381,7 +387,7 @@ run_gpt_oss() {
     reap
   fi
   run_step bench-gpt-oss "$OSS_CAP" "$PY" bench/expert_offload.py "${COMMON[@]}" --model "$OSS_MODEL" \
-    "${OSS_RUN[@]}" --cache-bytes 50% --configs a,b,cp,e,ea --trace none --log-dir "$WORK/logs/offload_gpt-oss" \
+    "${OSS_RUN[@]}" --cache-bytes 50% --configs "$OSS_CONFIGS" --trace none --log-dir "$WORK/logs/offload_gpt-oss" \
     --out "$OUT_DIR/offload_gpt-oss.json" "${EXTRA[@]}"
   reap
 }

@@ -247,7 +247,9 @@ class Written:
     peak_rss_bytes: int
 
 
-@pytest.fixture(scope="session")
+# module: the files (~7.6 GB together) are deleted once this file's tests are done, not at the session's end,
+# where they would sit on the disk through the rest of the suite (a CI run filled a disk with them beside others)
+@pytest.fixture(scope="module")
 def reduced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Written]]:
     folder = tmp_path_factory.mktemp("shapes")
     written: dict[str, Written] = {}
@@ -266,7 +268,7 @@ def reduced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Writ
         written[name] = Written(name, path, int(match.group(1)) * 1024)
     yield written
     for w in written.values():
-        w.path.unlink(missing_ok=True)  # ~7.6 GB together: do not leave them for the session's end
+        w.path.unlink(missing_ok=True)
 
 
 def test_writer_memory_stays_bounded(reduced: dict[str, Written]) -> None:
