@@ -1272,6 +1272,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="let llama.cpp repack CPU weights (default off on AMX CPUs, where it crashes on these models)",
     )
     parser.add_argument(
+        "--no-repack",
+        dest="force_no_repack",
+        action="store_true",
+        help="never repack the host's weights: the expert cache cannot read repacked experts (gpt-oss's MXFP4)",
+    )
+    parser.add_argument(
         "--cache-slots",
         type=int,
         help="e's budget as slots per cached layer (e.g. 16) instead of c's device expert bytes",
@@ -1318,6 +1324,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--cache-slots must be at least 1")
     if args.no_repack:
         args.no_repack = cpu_has_amx()
+    args.no_repack = args.no_repack or args.force_no_repack
     if args.runs < 1 or args.tokens < 2:
         parser.error("--runs must be at least 1 and --tokens at least 2")
     return args

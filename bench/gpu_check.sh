@@ -377,17 +377,20 @@ run_budget() {  # run_budget SHARE CAP: one expert_offload run; the first budget
   reap
 }
 # gpt-oss: the model's own router (the ESFT trace is DeepSeek-V2-Lite's 64 experts and top-6), so the
-# rows measure the mechanisms on near-uniform routing, the cache's worst case
+# rows measure the mechanisms on near-uniform routing, the cache's worst case. --no-repack: the CPU backend
+# repacks MXFP4 host experts into its own layout, which no device reads (the llvmpipe rehearsal's ea said
+# "expert cache off: ... repacked for the CPU's own kernels" and ran without its cache)
 run_gpt_oss() {
   [ "$GPT_OSS" = 1 ] || return 0
   if [ "$IDENTITY" = 1 ]; then
     run_step identity-gpt-oss "$OSS_ID_CAP" "$PY" bench/gpu_identity.py --binary "$BINARY" --model "$OSS_MODEL" \
-      --backend "$BACKEND" "${OSS_ID_ARGS[@]}" --log-dir "$WORK/logs/identity_gpt-oss" \
+      --backend "$BACKEND" "${OSS_ID_ARGS[@]}" --no-repack --log-dir "$WORK/logs/identity_gpt-oss" \
       --out "$OUT_DIR/identity_gpt-oss.json"
     reap
   fi
   run_step bench-gpt-oss "$OSS_CAP" "$PY" bench/expert_offload.py "${COMMON[@]}" --model "$OSS_MODEL" \
-    "${OSS_RUN[@]}" --cache-bytes 50% --configs "$OSS_CONFIGS" --trace none --log-dir "$WORK/logs/offload_gpt-oss" \
+    "${OSS_RUN[@]}" --cache-bytes 50% --configs "$OSS_CONFIGS" --trace none --no-repack \
+    --log-dir "$WORK/logs/offload_gpt-oss" \
     --out "$OUT_DIR/offload_gpt-oss.json" "${EXTRA[@]}"
   reap
 }

@@ -84,6 +84,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--start-timeout", type=float, default=300.0)
     parser.add_argument("--request-timeout", type=float, default=300.0)
+    parser.add_argument(
+        "--no-repack",
+        action="store_true",
+        help="never repack the host's weights: the expert cache cannot read repacked experts (gpt-oss's MXFP4)",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/gpu_identity.json"))
     parser.add_argument("--log-dir", type=Path, help="the server logs (default: <out>-logs beside the JSON)")
     args = parser.parse_args(argv)
@@ -112,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     # what start_server reads of the benchmark's arguments: no trace (the model's own router), no tags
     base = argparse.Namespace(
         ubatch=args.ubatch, backend=args.backend, trace_file=None, seq_tags=None, ctx=args.ctx,
-        threads=args.threads, no_repack=eo.cpu_has_amx(), start_timeout=args.start_timeout,
+        threads=args.threads, no_repack=args.no_repack or eo.cpu_has_amx(), start_timeout=args.start_timeout,
         cache_log_dir=None, e_bytes=0, rpc_threads=2,
     )  # fmt: skip
     token = secrets.token_hex(16)
