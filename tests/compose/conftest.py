@@ -10,7 +10,16 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.compose.loading import COMPOSE, COMPOSE_CPU, GRAFANA, PROMETHEUS, interpolate, load_compose_text, merge
+from tests.compose.loading import (
+    COMPOSE,
+    COMPOSE_CPU,
+    DASHBOARDS,
+    GRAFANA,
+    PROMETHEUS,
+    interpolate,
+    load_compose_text,
+    merge,
+)
 
 
 @pytest.fixture(scope="module")
@@ -56,5 +65,5 @@ def grafana_files() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     return (
         yaml.safe_load((GRAFANA / "provisioning" / "datasources" / "prometheus.yml").read_text()),
         yaml.safe_load((GRAFANA / "provisioning" / "dashboards" / "moe-l2.yml").read_text()),
-        json.loads((GRAFANA / "dashboards" / "moe-l2.json").read_text()),
+        json.loads((DASHBOARDS / "moe-l2.json").read_text()),
     )

@@ -16,6 +16,8 @@ COMPOSE_CPU = ROOT / "compose.cpu.yaml"
 COMPOSE_RAM_TIER = ROOT / "compose.ram-tier.yaml"
 PROMETHEUS = ROOT / "services" / "prometheus" / "prometheus.yml"
 GRAFANA = ROOT / "services" / "grafana"
+# The dashboard's one copy: in the Kustomize base, which reads no file outside its folder; compose mounts it.
+DASHBOARDS = ROOT / "deploy" / "kubernetes" / "base" / "dashboards"
 
 
 class _Reset:

@@ -6,7 +6,7 @@ import re
 from typing import Any
 
 from tests.compose.checks import PORTS, SCRAPED
-from tests.compose.loading import COMPOSE, GRAFANA, PROMETHEUS
+from tests.compose.loading import COMPOSE, DASHBOARDS, GRAFANA, PROMETHEUS
 from tests.compose.shapes import as_argv, as_dict, mounts
 
 # The services compose scales (`docker compose up --scale NAME=N`): Prometheus discovers each replica
@@ -63,7 +63,7 @@ def check_grafana(
     by_source = {(COMPOSE.parent / m.source).resolve(): m for m in mounts(grafana) if m.kind == "bind"}
     provisioning = by_source.get((GRAFANA / "provisioning").resolve())
     assert provisioning and provisioning.target == "/etc/grafana/provisioning"
-    dashboards = by_source.get((GRAFANA / "dashboards").resolve())
+    dashboards = by_source.get(DASHBOARDS.resolve())
     assert dashboards, "the dashboards folder is not mounted"
     paths = {p["options"]["path"] for p in providers["providers"] if p.get("type", "file") == "file"}
     assert dashboards.target in paths, f"no provider reads {dashboards.target}"

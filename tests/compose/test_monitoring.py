@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.compose.loading import GRAFANA
+from tests.compose.loading import DASHBOARDS
 from tests.compose.monitoring import check_grafana, check_prometheus
 from tests.compose.shapes import as_dict
 
@@ -18,4 +18,4 @@ def test_grafana_provisioning(grafana_files: tuple[dict[str, Any], ...], doc: di
     check_grafana(datasources, providers, dashboard, doc)
     home = as_dict(doc["services"]["grafana"]["environment"]).get("GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH")
     if home:
-        assert home == "/etc/grafana/dashboards/moe-l2.json" and (GRAFANA / "dashboards" / "moe-l2.json").is_file()
+        assert home == "/etc/grafana/dashboards/moe-l2.json" and (DASHBOARDS / "moe-l2.json").is_file()

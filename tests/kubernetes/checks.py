@@ -358,8 +358,8 @@ def check_dashboard(objects: list[Obj], dashboard: str) -> None:
         o for o in objects if o["kind"] == "ConfigMap" and "grafana_dashboard" in o["metadata"].get("labels", {})
     ]
     assert config["data"] == {"moe-l2.json": dashboard}, (
-        "the dashboard ConfigMap differs from services/grafana/dashboards/moe-l2.json: "
-        "cp services/grafana/dashboards/moe-l2.json deploy/kubernetes/base/dashboards/"
+        "the dashboard ConfigMap differs from deploy/kubernetes/base/dashboards/moe-l2.json, the file compose "
+        "mounts too"
     )
 
 

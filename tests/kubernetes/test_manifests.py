@@ -30,7 +30,7 @@ from tests.compose.checks import (
     check_predictor,
     run_llama_entrypoint,
 )
-from tests.compose.loading import COMPOSE, COMPOSE_CPU, GRAFANA, interpolate, load_compose_text, merge
+from tests.compose.loading import COMPOSE, COMPOSE_CPU, DASHBOARDS, interpolate, load_compose_text, merge
 from tests.kubernetes import checks
 from tests.kubernetes.rendering import (
     RESTRICTED,
@@ -52,7 +52,7 @@ from tests.test_env_convention import SETTINGS, env_names
 K8S_VERSIONS = ("1.32", kubernetes_validate.utils.latest_version())
 # moe_l2_domains.known reads the extra domains itself, in every service that checks a domain tag.
 READ_OUTSIDE_SETTINGS = {EXTRA_DOMAINS_ENV}
-DASHBOARD = (GRAFANA / "dashboards" / "moe-l2.json").read_text()
+DASHBOARD = (DASHBOARDS / "moe-l2.json").read_text()
 
 
 @functools.cache

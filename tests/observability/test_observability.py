@@ -25,7 +25,7 @@ from tests.compose.monitoring import gateway_metric_names
 from tests.observability.conftest import SCRAPE_INTERVAL_S, LocalStack, Prometheus, restart
 
 ROOT = Path(__file__).resolve().parents[2]
-DASHBOARD = json.loads((ROOT / "services" / "grafana" / "dashboards" / "moe-l2.json").read_text())
+DASHBOARD = json.loads((ROOT / "deploy" / "kubernetes" / "base" / "dashboards" / "moe-l2.json").read_text())
 DATASOURCES = yaml.safe_load(
     (ROOT / "services" / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text()
 )
