@@ -492,7 +492,8 @@ def added_lines(patch: Path) -> dict[str, list[str]]:
 
 
 def test_the_libllama_changes_of_the_telemetry_are_patches_of_their_own() -> None:
-    # 0006 and 0007 change libllama for any caller, 0018 is the server's use of them: each reviewable alone
+    # 0006 and 0007 change libllama for any caller, 0018 is the server's use of them (and its flag, common's):
+    # each reviewable alone
     patches = {p.name: added_lines(p) for p in build_mod.patch_files(build_mod.default_patches_dir())}
     assert set(patches["0006-ubatch-seqs.patch"]) == {"include/llama.h", "src/llama-context.cpp", "src/llama-context.h"}
     assert set(patches["0007-keep-moe-selection.patch"]) == {
@@ -502,7 +503,46 @@ def test_the_libllama_changes_of_the_telemetry_are_patches_of_their_own() -> Non
         "common/common.h",
         "common/common.cpp",
     }
-    assert all(path.startswith("tools/server/") for path in patches["0018-routing-telemetry.patch"])
+    assert all(
+        path.startswith("tools/server/") or path in {"common/arg.cpp", "common/common.h"}
+        for path in patches["0018-routing-telemetry.patch"]
+    )
+
+
+def test_the_server_takes_flags_not_variables() -> None:
+    """Issue 47: the server's options are common/arg.cpp flags with LLAMA_ARG_* variables, as upstream's and the
+    engine's; the server reads the environment only for the test-only route trace (0024) and, for one release,
+    for the LLAMA_MOE_* variables it read before, each in one table with the variable and the flag it maps to."""
+    getenv: dict[str, list[str]] = {}
+    deprecated: dict[str, list[str]] = {}
+    flags: dict[str, list[str]] = {}
+    for patch in build_mod.patch_files(build_mod.default_patches_dir()):
+        for path, lines in added_lines(patch).items():
+            for line in lines:
+                if path.startswith("tools/server/") and "getenv(" in line:
+                    getenv.setdefault(patch.name[:4], []).append(line.strip())
+                if path.startswith("tools/server/") and (found := re.match(r'\s*\{ "(LLAMA_MOE_\w+)", "(\w+)"', line)):
+                    deprecated.setdefault(patch.name[:4], []).append(f"{found[1]} {found[2]}")
+                flag = re.search(r'set_env\("(LLAMA_ARG_MOE_(?!CACHE)\w+)"\)', line)
+                if path == "common/arg.cpp" and flag:
+                    flags.setdefault(patch.name[:4], []).append(flag[1])
+    assert getenv == {
+        "0018": ["const char * val = std::getenv(var.name);", "if (std::getenv(var.arg_env) == nullptr) {"],
+        "0024": ['const char * val = std::getenv("LLAMA_MOE_ROUTE_TRACE");'] * 2,
+    }
+    assert deprecated == {
+        "0018": ["LLAMA_MOE_TELEMETRY LLAMA_ARG_MOE_TELEMETRY"],
+        "0020": ["LLAMA_MOE_DOMAINS LLAMA_ARG_MOE_DOMAINS", "LLAMA_MOE_MAX_DOMAINS LLAMA_ARG_MOE_MAX_DOMAINS"],
+        "0021": ["LLAMA_MOE_ADMIN_TOKEN LLAMA_ARG_MOE_ADMIN_TOKEN"],
+        "0023": ["LLAMA_MOE_TRANSITIONS LLAMA_ARG_MOE_TRANSITIONS"],
+    }
+    assert flags == {
+        "0008": ["LLAMA_ARG_MOE_WILLNEED"],
+        "0018": ["LLAMA_ARG_MOE_TELEMETRY"],
+        "0020": ["LLAMA_ARG_MOE_DOMAINS", "LLAMA_ARG_MOE_MAX_DOMAINS"],
+        "0021": ["LLAMA_ARG_MOE_ADMIN_TOKEN", "LLAMA_ARG_MOE_ADMIN_TOKEN_FILE"],
+        "0023": ["LLAMA_ARG_MOE_TRANSITIONS"],
+    }
 
 
 def test_libllama_and_ggml_read_no_environment_variable_of_ours() -> None:

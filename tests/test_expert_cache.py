@@ -389,7 +389,7 @@ def test_the_flywheel_profile_drives_prefetch_exactly_as_the_python_policy(
     # routing, request r taking sequence r, so the routing has the real model's cross-layer structure
     law = from_esft_npz(ESFT_NPZ, tasks=["law"], seqs=slice(0, 3), layers=N_MOE)
     translation = from_esft_npz(ESFT_NPZ, tasks=["translation"], seqs=slice(0, 3), layers=N_MOE)
-    # tagged with two of the server's domains (LLAMA_MOE_DOMAINS is the closed default set)
+    # tagged with two of the server's domains (LLAMA_ARG_MOE_DOMAINS is the closed default set)
     fitted = fit_profile(
         np.concatenate([law.ids, translation.ids]),
         ["logic"] * law.n_token + ["translate"] * translation.n_token,

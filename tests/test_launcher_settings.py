@@ -706,7 +706,7 @@ def test_a_context_that_is_no_number_is_refused(value: str) -> None:
         ([kubelet_expand(a, variables) for a in [*container["command"], *container["args"]]], variables),
     ):
         # no llama-server on PATH: had the shell gone on to start it, it would say that instead
-        env = {**env, "MOE_L2_LLAMA_CTX_PER_REQUEST": value, "LLAMA_MOE_ADMIN_TOKEN": "t", "PATH": "/usr/bin:/bin"}
+        env = {**env, "MOE_L2_LLAMA_CTX_PER_REQUEST": value, "LLAMA_ARG_MOE_ADMIN_TOKEN": "t", "PATH": "/usr/bin:/bin"}
         done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30)
         assert done.returncode == 1
         assert done.stderr.splitlines() == [f"MOE_L2_LLAMA_CTX_PER_REQUEST={value}, -np 4: both must be whole numbers"]

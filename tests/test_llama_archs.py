@@ -396,7 +396,7 @@ def moe_layers(path: Path) -> list[int]:
 def test_transitions_pair_each_moe_layer_with_the_next(
     rpc_device: RpcDevice, arch_models: dict[str, ArchModel], arch: str, tmp_path: Path
 ) -> None:
-    """The transitions telemetry (LLAMA_MOE_TRANSITIONS) counts a pair from each MoE layer to the next MoE
+    """The transitions telemetry (LLAMA_ARG_MOE_TRANSITIONS) counts a pair from each MoE layer to the next MoE
     layer: llama4 routes at layers 1 and 3 (dense layers between), qwen3moe at 0 and 1 (D6: only l, l+1 was
     counted, and llama4 had no pair at all). Every token that reaches the second layer pairs its k experts
     there with its k at the first."""

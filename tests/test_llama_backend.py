@@ -235,7 +235,7 @@ def test_up_on_a_gpu_host_serves_the_cuda_build_with_compose_s_gpu_settings(
     # compose.yaml's llama service: -ngl 999, --cpu-moe, --fit off, the experts' budget split by the engine
     assert flag(argv, "--gpu-layers") == "999" and "--cpu-moe" in argv and flag(argv, "--fit") == "off"
     assert flag(argv, "--moe-cache-bytes") == "auto" and flag(argv, "--moe-cache-policy") == "default"
-    assert env["LLAMA_MOE_TRANSITIONS"] == "1"  # the prefetch's tables come with the cache
+    assert env["LLAMA_ARG_MOE_TRANSITIONS"] == "1"  # the prefetch's tables come with the cache
     assert env["GGML_OP_OFFLOAD_MIN_BATCH"] == "1"
 
 

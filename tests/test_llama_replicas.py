@@ -82,7 +82,7 @@ def test_three_replicas(stack_env: None, monkeypatch: pytest.MonkeyPatch) -> Non
     assert [arg(s, "--port") for s in llamas] == ["20000", "20100", "20200"]
     assert [s.url for s in llamas] == [f"http://127.0.0.1:{p}/v1" for p in (20000, 20100, 20200)]
     assert all(s.required for s in llamas) and not any(s.required for s in caches)
-    assert all(s.env["LLAMA_MOE_ADMIN_TOKEN"] == "t0k3n" for s in llamas)
+    assert all(s.env["LLAMA_ARG_MOE_ADMIN_TOKEN"] == "t0k3n" for s in llamas)
     # each cache-manager on its own port, paired with its own llama, all on the same Redis and model
     assert [s.url for s in caches] == [f"http://127.0.0.1:{p}" for p in (21000, 21100, 21200)]
     assert [s.env["MOE_L2_CACHE_PORT"] for s in caches] == ["21000", "21100", "21200"]

@@ -173,7 +173,7 @@ def test_untagged_requests_count_under_default_tag(llama: LlamaServer, planted: 
 def test_telemetry_disabled_answers_501(llama_off: LlamaServer) -> None:
     resp = llama_off.client.get("/moe/routing")
     assert resp.status_code == 501
-    assert "LLAMA_MOE_TELEMETRY" in resp.json()["error"]["message"]
+    assert "--moe-telemetry" in resp.json()["error"]["message"]
 
 
 # (c) greedy output is token-identical with telemetry on/off and with a hot set or not
@@ -396,7 +396,7 @@ def test_no_count_is_lost_to_concurrent_pulls(llama: LlamaServer, planted: dict)
     assert layer0 == {d: n * k for d, n in expected.items()}
 
 
-# domain tags: a closed set (LLAMA_MOE_DOMAINS, which the `llama` fixture gets from the taxonomy)
+# domain tags: a closed set (--moe-domains, which the `llama` fixture gets from the taxonomy)
 
 
 @pytest.mark.parametrize("tag", ["_global", "_other", "_x", "__"])
@@ -470,7 +470,7 @@ def test_only_the_telemetry_keeps_every_layers_selection(start_custom: Callable[
     output, kept to the end of the graph so that the callback reads them all in one split; the
     compute buffer grows by at most those selections. Without the telemetry the graph is llama.cpp's."""
     on = start_custom("llama-keep-selection", extra_args="-lv 4")
-    off = start_custom("llama-no-telemetry", env={"LLAMA_MOE_TELEMETRY": "0"}, extra_args="-lv 4")
+    off = start_custom("llama-no-telemetry", env={"LLAMA_ARG_MOE_TELEMETRY": "0"}, extra_args="-lv 4")
     for server in (on, off):
         assert chat(server, "hello", max_tokens=2).status_code == 200
     routing = on.routing()
@@ -481,8 +481,8 @@ def test_only_the_telemetry_keeps_every_layers_selection(start_custom: Callable[
 
 
 def test_without_a_domain_list_distinct_tags_are_capped(start_custom: Callable[..., LlamaServer]) -> None:
-    # run by hand (no LLAMA_MOE_DOMAINS), any well-formed tag is accepted, up to a bound
-    server = start_custom("llama-open-tags", env={"LLAMA_MOE_DOMAINS": "", "LLAMA_MOE_MAX_DOMAINS": "3"})
+    # run by hand (no --moe-domains), any well-formed tag is accepted, up to a bound
+    server = start_custom("llama-open-tags", env={"LLAMA_ARG_MOE_DOMAINS": ""}, extra_args="--moe-max-domains 3")
     for tag in ("alpha", "beta", "gamma"):
         assert chat(server, "hello", domain=tag, max_tokens=2).status_code == 200
     refused = chat(server, "hello", domain="delta", max_tokens=2)
@@ -544,7 +544,7 @@ def test_admin_calls_pass_with_the_token_and_reads_stay_open(llama: LlamaServer,
 
 
 def test_admin_calls_are_refused_without_a_configured_token(start_custom: Callable[..., LlamaServer]) -> None:
-    server = start_custom("llama-no-admin-token", env={"LLAMA_MOE_ADMIN_TOKEN": ""})
+    server = start_custom("llama-no-admin-token", env={"LLAMA_ARG_MOE_ADMIN_TOKEN": ""})
     for headers in ({}, ADMIN_HEADERS, {ADMIN_TOKEN_HEADER: ""}):
         resp = server.client.get("/moe/routing", params={"reset": "1"}, headers=headers)
         assert_unauthorized(resp, "admin token not configured")
@@ -552,6 +552,32 @@ def test_admin_calls_are_refused_without_a_configured_token(start_custom: Callab
         assert_unauthorized(resp, "admin token not configured")
     assert server.client.get("/moe/routing").status_code == 200
     assert server.client.get("/moe/hot-set").status_code == 200
+
+
+def test_the_flags_and_the_deprecated_variables(start_custom: Callable[..., LlamaServer], tmp_path: Path) -> None:
+    """The server patches take flags (--moe-*, their LLAMA_ARG_MOE_* variables, as upstream's); the LLAMA_MOE_*
+    variables they were read from are still read for one release, each with one warning that names its flag, and
+    a LLAMA_ARG_* variable set too wins. The admin token comes from a file, as --api-key-file's keys."""
+    token_file = tmp_path / "admin-token"
+    token_file.write_text("from-a-file\n")
+    server = start_custom(
+        "llama-flags",
+        # LLAMA_ARG_MOE_TELEMETRY=1 comes from llama_server_env, as `moe-l2 up` sets it
+        env={"LLAMA_ARG_MOE_DOMAINS": "", "LLAMA_MOE_MAX_DOMAINS": "2", "LLAMA_MOE_TELEMETRY": "0"},
+        extra_args=f"--moe-admin-token-file {token_file}",
+    )
+    for tag in ("alpha", "beta"):
+        assert chat(server, "hello", domain=tag, max_tokens=2).status_code == 200
+    refused = chat(server, "hello", domain="gamma", max_tokens=2)
+    assert refused.status_code == 400 and "--moe-max-domains" in refused.text, refused.text
+    assert server.client.get("/moe/routing").status_code == 200, "the old LLAMA_MOE_TELEMETRY=0 won"
+    assert_unauthorized(server.client.get("/moe/routing", params={"reset": "1"}, headers=ADMIN_HEADERS), "invalid")
+    resp = server.client.get("/moe/routing", params={"reset": "1"}, headers={ADMIN_TOKEN_HEADER: "from-a-file"})
+    assert resp.status_code == 200, resp.text
+    log = server.log_path.read_text().splitlines()
+    for old, flag in (("LLAMA_MOE_MAX_DOMAINS", "--moe-max-domains"), ("LLAMA_MOE_TELEMETRY", "--moe-telemetry")):
+        warnings = [line for line in log if f"{old} is deprecated" in line]
+        assert len(warnings) == 1 and flag in warnings[0], warnings
 
 
 def test_moe_endpoints_with_api_key(start_custom: Callable[..., LlamaServer]) -> None:

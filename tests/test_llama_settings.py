@@ -75,7 +75,7 @@ def test_transitions_are_counted_with_the_expert_cache_unless_set(
     cache: str, transitions: bool | None, telemetry: bool, counted: bool
 ) -> None:
     settings = LlamaSettings(expert_cache_bytes=cache, transitions=transitions, telemetry=telemetry, admin_token="t")
-    assert llama_server_env(settings)["LLAMA_MOE_TRANSITIONS"] == ("1" if counted else "0")
+    assert llama_server_env(settings)["LLAMA_ARG_MOE_TRANSITIONS"] == ("1" if counted else "0")
 
 
 @pytest.mark.parametrize(

@@ -97,7 +97,7 @@ def test_up_serves_the_demo_model_and_stops_cleanly(llama_binary: Path, tmp_path
             )
             assert environ.get(ADMIN_TOKEN_ENV.encode()) == token.encode(), name
             if name == "llama":
-                assert environ.get(b"LLAMA_MOE_ADMIN_TOKEN") == token.encode()
+                assert environ.get(b"LLAMA_ARG_MOE_ADMIN_TOKEN") == token.encode()
 
         resp = httpx.post(
             f"http://127.0.0.1:{llama_port}/v1/chat/completions",
@@ -560,7 +560,7 @@ def test_every_service_gets_the_admin_token(no_token: Path) -> None:
     for spec in specs:
         assert spec.env[ADMIN_TOKEN_ENV] == "t0k3n", spec.name
     llama = next(s for s in specs if s.name == "llama")
-    assert llama.env["LLAMA_MOE_ADMIN_TOKEN"] == "t0k3n"
+    assert llama.env["LLAMA_ARG_MOE_ADMIN_TOKEN"] == "t0k3n"
 
 
 def test_stack_restart_roles(no_token: Path) -> None:

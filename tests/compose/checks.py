@@ -72,8 +72,8 @@ def check_llama_command(doc: dict[str, Any], model_path: str = "/models/model.gg
     assert flag_value(argv, "-ngl", "--gpu-layers", "--n-gpu-layers") == "999"
     assert "--metrics" in argv
     env = as_dict(llama.get("environment"))
-    assert env.get("LLAMA_MOE_TELEMETRY") == "1"
-    assert env.get("LLAMA_MOE_TRANSITIONS") == "1", "the expert cache's prefetch learns from these counts"
+    assert env.get("LLAMA_ARG_MOE_TELEMETRY") == "1"
+    assert env.get("LLAMA_ARG_MOE_TRANSITIONS") == "1", "the expert cache's prefetch learns from these counts"
     assert env.get("GGML_OP_OFFLOAD_MIN_BATCH") == "1"
     assert "LLAMA_ARG_CPU_MOE" in env and "LLAMA_ARG_N_CPU_MOE" in env, "--cpu-moe/--n-cpu-moe are not set"
     assert env.get("LLAMA_ARG_MOE_CACHE_BYTES") == "auto", "the GPU stack splits the experts' budget on its card"
@@ -88,7 +88,7 @@ def check_domains(doc: dict[str, Any]) -> None:
 
     services = doc["services"]
     env = as_dict(services["llama"].get("environment"))
-    assert set(env.get("LLAMA_MOE_DOMAINS", "").split(",")) == set(known_domains(extra=()))
+    assert set(env.get("LLAMA_ARG_MOE_DOMAINS", "").split(",")) == set(known_domains(extra=()))
     for name in ("proxy", "cache-manager", "llama"):
         assert "MOE_L2_EXTRA_DOMAINS" in as_dict(services[name].get("environment")), f"{name}: no extra domains"
 
@@ -362,7 +362,7 @@ def run_llama_entrypoint(
     bin_dir.mkdir(exist_ok=True)
     stand_in = bin_dir / "llama-server"
     stand_in.write_text(
-        '#!/bin/sh\necho "token=$LLAMA_MOE_ADMIN_TOKEN"\necho "domains=$LLAMA_MOE_DOMAINS"\necho "args=$*"\n'
+        '#!/bin/sh\necho "token=$LLAMA_ARG_MOE_ADMIN_TOKEN"\necho "domains=$LLAMA_ARG_MOE_DOMAINS"\necho "args=$*"\n'
     )
     stand_in.chmod(0o755)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", **as_dict(llama.get("environment")), **extra_env}

@@ -143,11 +143,11 @@ def test_grafana_has_no_default_login(doc: dict[str, Any], doc_cpu: dict[str, An
 def test_admin_token_wiring(doc: dict[str, Any], doc_cpu: dict[str, Any], raw: dict[str, Any]) -> None:
     check_admin_token(doc)
     check_admin_token(doc_cpu)
-    # MOE_L2_ADMIN_TOKEN set by the user reaches every holder (llama's as LLAMA_MOE_ADMIN_TOKEN)
+    # MOE_L2_ADMIN_TOKEN set by the user reaches every holder (llama's as LLAMA_ARG_MOE_ADMIN_TOKEN)
     given = interpolate(raw, {"MOE_L2_ADMIN_TOKEN": "from-the-user"})["services"]
     for name in TOKEN_HOLDERS - {"llama"}:
         assert as_dict(given[name]["environment"])["MOE_L2_ADMIN_TOKEN"] == "from-the-user", name
-    assert as_dict(given["llama"]["environment"])["LLAMA_MOE_ADMIN_TOKEN"] == "from-the-user"
+    assert as_dict(given["llama"]["environment"])["LLAMA_ARG_MOE_ADMIN_TOKEN"] == "from-the-user"
 
 
 def test_domains_and_alias(doc: dict[str, Any], raw: dict[str, Any]) -> None:
@@ -173,7 +173,7 @@ def test_llama_entrypoint_reads_the_token(doc: dict[str, Any], raw: dict[str, An
     assert result.returncode == 0, result.stderr
     out = dict(line.split("=", 1) for line in result.stdout.splitlines())
     assert out["token"] == "s3cret-from-the-volume"
-    assert out["domains"] == as_dict(doc["services"]["llama"]["environment"])["LLAMA_MOE_DOMAINS"]
+    assert out["domains"] == as_dict(doc["services"]["llama"]["environment"])["LLAMA_ARG_MOE_DOMAINS"]
     assert out["args"] == " ".join(as_argv(doc["services"]["llama"]["command"])), "arguments lost on the way"
     assert "--alias moe-l2" in out["args"]
 

@@ -64,7 +64,7 @@ COMPOSE_MUTATIONS: dict[str, tuple[_Check, _Check]] = {
     "no GPU reservation": (_edit("services", "llama", "deploy"), check_llama_gpu),
     "GPU without gpu capability": (_edit("services", "llama", *_GPU, value=["compute"]), check_llama_gpu),
     "no --metrics": (_edit("services", "llama", "command", without="--metrics"), check_llama_command),
-    "no telemetry": (_edit("services", "llama", "environment", "LLAMA_MOE_TELEMETRY"), check_llama_command),
+    "no telemetry": (_edit("services", "llama", "environment", "LLAMA_ARG_MOE_TELEMETRY"), check_llama_command),
     "ipc host back": (_edit("services", "cache-manager", "ipc", value="host"), check_cache_manager),
     "llama's PID namespace in the base": (
         _edit("services", "cache-manager", "pid", value="service:llama"),
@@ -185,7 +185,7 @@ COMPOSE_MUTATIONS: dict[str, tuple[_Check, _Check]] = {
         _edit("services", "llama", "command", -1, value="/models/model.gguf"),
         check_llama_command,
     ),
-    "llama without domains": (_edit("services", "llama", "environment", "LLAMA_MOE_DOMAINS"), check_domains),
+    "llama without domains": (_edit("services", "llama", "environment", "LLAMA_ARG_MOE_DOMAINS"), check_domains),
     "proxy without extra domains": (
         _edit("services", "proxy", "environment", "MOE_L2_EXTRA_DOMAINS"),
         check_domains,

@@ -260,7 +260,7 @@ def test_llama_entrypoint_reads_the_token(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     out = dict(line.split("=", 1) for line in result.stdout.splitlines())
     assert out["token"] == "from-the-secret"
-    assert out["domains"] == variables["LLAMA_MOE_DOMAINS"] + ",legal"
+    assert out["domains"] == variables["LLAMA_ARG_MOE_DOMAINS"] + ",legal"
     assert out["args"] == " ".join(container["args"])
     missing = run_llama_entrypoint(llama, tmp_path, {"MOE_L2_ADMIN_TOKEN_FILE": str(tmp_path / "nope")})
     assert missing.returncode != 0 and "token=" not in missing.stdout, "llama-server started without a token"

@@ -6,7 +6,7 @@ Redis in one transaction (with a marker, see buffer.py), where a Lua script firs
 domain's existing counts by MOE_L2_CACHE_DECAY per MOE_L2_CACHE_DECAY_TOKENS new tokens of that domain, then
 adds the delta: the tables follow the traffic, and a domain without traffic keeps its table.
 After each write the hot sets of the domains written are chosen again and stored in Redis. With
-LLAMA_MOE_TRANSITIONS llama also counts which expert follows which at the next layer; those counts
+LLAMA_ARG_MOE_TRANSITIONS llama also counts which expert follows which at the next layer; those counts
 go the same way, into their own hashes, not decayed (transitions.py says why).
 
 Only accepted domains (the known domains and llama's "untagged") become tables, and nothing read

@@ -85,7 +85,7 @@ class LlamaSettings(ServiceSettings):
         "MOE_L2_LLAMA_CTX_SIZE is deprecated (a warning): set MOE_L2_LLAMA_CTX_PER_REQUEST",
     )
     threads: int | None = Field(default=None, ge=1, description="CPU threads (-t), llama.cpp picks if unset")
-    telemetry: bool = Field(default=True, description="per-domain routing telemetry (LLAMA_MOE_TELEMETRY)")
+    telemetry: bool = Field(default=True, description="per-domain routing telemetry (--moe-telemetry)")
     cpu_moe: bool | None = Field(
         default=None,
         description="keep every MoE layer's experts in host memory (--cpu-moe); unset: on for a GPU build under "
@@ -125,7 +125,7 @@ class LlamaSettings(ServiceSettings):
     )
     transitions: bool | None = Field(
         default=None,
-        description="count per domain which expert follows which at the next layer (LLAMA_MOE_TRANSITIONS), "
+        description="count per domain which expert follows which at the next layer (--moe-transitions), "
         "the tables the expert cache's prefetch learns from; needs the telemetry; unset: on with the expert cache",
     )
     ram_budget: str = stack_wide(
@@ -329,13 +329,15 @@ def llama_server_command(binary: Path, model: Path, settings: LlamaSettings) -> 
 
 
 def llama_server_env(settings: LlamaSettings) -> dict[str, str]:
-    """Variables added to the environment of llama-server: the telemetry and transitions switches, the
-    admin token (empty: every admin call is refused) and the domains a request may be tagged with."""
+    """Variables added to the environment of llama-server, the LLAMA_ARG_* variables of its MoE flags
+    (patches 0018-0023): --moe-telemetry and --moe-transitions, the admin token (a variable, not
+    --moe-admin-token, which `ps` would show; empty: every admin call is refused) and --moe-domains,
+    the domains a request may be tagged with."""
     return {
-        "LLAMA_MOE_TELEMETRY": "1" if settings.telemetry else "0",
-        "LLAMA_MOE_TRANSITIONS": "1" if counts_transitions(settings) else "0",
-        "LLAMA_MOE_ADMIN_TOKEN": settings.admin_token or configured_token(),
-        "LLAMA_MOE_DOMAINS": ",".join(sorted(known_domains())),
+        "LLAMA_ARG_MOE_TELEMETRY": "1" if settings.telemetry else "0",
+        "LLAMA_ARG_MOE_TRANSITIONS": "1" if counts_transitions(settings) else "0",
+        "LLAMA_ARG_MOE_ADMIN_TOKEN": settings.admin_token or configured_token(),
+        "LLAMA_ARG_MOE_DOMAINS": ",".join(sorted(known_domains())),
     }
 
 

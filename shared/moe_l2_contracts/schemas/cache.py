@@ -147,7 +147,7 @@ class FlywheelStats(BaseModel):
     tokens_pulled: int
     transitions_pulled: int = Field(
         default=0,
-        description="(expert, next layer's expert) pairs received from llama since start (LLAMA_MOE_TRANSITIONS)",
+        description="(expert, next layer's expert) pairs received from llama since start (LLAMA_ARG_MOE_TRANSITIONS)",
     )
     flushes: int
     redis_ok: bool

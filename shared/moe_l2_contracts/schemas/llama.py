@@ -14,7 +14,7 @@ LayerCounts = dict[str, dict[str, int]]
 
 
 class LayerPairCounts(BaseModel):
-    """One domain's cross-layer transitions in a routing snapshot (patch 0023, LLAMA_MOE_TRANSITIONS):
+    """One domain's cross-layer transitions in a routing snapshot (patch 0023, LLAMA_ARG_MOE_TRANSITIONS):
     for each layer l of `pairs`, how often expert a at MoE layer l and expert b at the next MoE layer (l+1, or
     l+2 where a dense layer comes between, as in llama4) were selected for
     the same token (every top-k x top-k pair); `counts` is base64 of little-endian uint32
@@ -35,7 +35,7 @@ class LayerPairCounts(BaseModel):
 
 class RoutingSnapshot(BaseModel):
     """GET /moe/routing[?reset=1]: activations per domain tag, layer and expert since the last reset, and
-    with LLAMA_MOE_TRANSITIONS the cross-layer transitions of each tag."""
+    with LLAMA_ARG_MOE_TRANSITIONS the cross-layer transitions of each tag."""
 
     model: str = ""
     enabled: bool = True

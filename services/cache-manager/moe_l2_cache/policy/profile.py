@@ -3,7 +3,7 @@
 A profile is fitted on one set of traces and handed to `make_policy(..., **profile.as_kwargs())`.
 The cache-manager, which has per-domain counts from the llama-server telemetry, builds the
 frequency tables with `freq_from_counts`, and the transitions with `transitions_from_counts` from the
-pair counts llama counts with LLAMA_MOE_TRANSITIONS (moe_l2_cache.transitions).
+pair counts llama counts with LLAMA_ARG_MOE_TRANSITIONS (moe_l2_cache.transitions).
 """
 
 from __future__ import annotations
