@@ -19,6 +19,7 @@ from moe_l2_proxy.auth import ApiKeyAuth
 from moe_l2_proxy.cors import Cors, OriginPolicy
 from moe_l2_proxy.dispatch import GenerationDispatch
 from moe_l2_proxy.domain import DomainResolver
+from moe_l2_proxy.drain import Drain, DrainGuard
 from moe_l2_proxy.errors import install_error_handlers
 from moe_l2_proxy.gateway import Gateway, on_client_disconnect
 from moe_l2_proxy.http1_transport import Http1Transport
@@ -64,8 +65,9 @@ def llama_client(settings: ProxySettings, transport: httpx.AsyncBaseTransport) -
             connect=settings.llama_connect_timeout_s,
             read=settings.llama_read_timeout_s,
             write=60.0,
-            # waiting for a free connection: only when more requests are in flight than the limit
-            pool=30.0,
+            # waiting for a free connection: relayed requests wait in the gateway's admission queue
+            # (limits.Admission) instead, so this is only a backstop for the gateway's own requests
+            pool=settings.wait_timeout_s,
         ),
         transport=transport,
     )
@@ -132,8 +134,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 class GatewayApp(FastAPI):
     """FastAPI with the gateway's own ASGI layers around it: metrics outermost (they see every answer),
-    then CORS (preflights carry no credentials), auth (before any body is read), the body limit, and
-    the generation routes' dispatch."""
+    then the drain (drain.py), CORS (preflights carry no credentials), auth (before any body is read),
+    the body limit, and the generation routes' dispatch."""
 
     def build_middleware_stack(self) -> ASGIApp:
         settings: ProxySettings = self.state.settings
@@ -141,6 +143,9 @@ class GatewayApp(FastAPI):
         app = BodyLimit(app, max_bytes=settings.max_body_bytes)
         app = ApiKeyAuth(app, keys=settings.api_key_list)
         app = Cors(app, OriginPolicy(settings.origin_list))
+        # inside the metrics, so what a drain refuses is counted; outside everything else, so a
+        # draining gateway answers before any other work
+        app = DrainGuard(app, self.state.drain)
         return RequestMetrics(app, metrics=self.state.metrics)
 
 
@@ -165,6 +170,7 @@ def create_app(settings: ProxySettings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.state.metrics = GatewayMetrics()
+    app.state.drain = Drain(settings.drain_s)
     install_error_handlers(app)
     app.add_exception_handler(ClientDisconnect, on_client_disconnect)
     app.include_router(ops_api.router)

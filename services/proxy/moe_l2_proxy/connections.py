@@ -14,7 +14,7 @@ long streams would refuse new clients. `GuardedProtocol` is uvicorn's own `HttpT
   close otherwise. Time during which the gateway itself paused reading (flow control) is not
   the client's silence;
 - a connection opened while `max_connections` are already open is answered 503 (JSON, `Retry-After`)
-  as soon as its request head is in, and closed.
+  as soon as its request head is in, and closed; but `GET /healthz` is answered (busy is not dead).
 
 Between requests uvicorn's keep-alive timeout (MOE_L2_PROXY_KEEP_ALIVE_S) still applies; once a request
 is read, nothing here limits how long the answer takes. No parsing is done here: the callbacks
@@ -145,7 +145,9 @@ def guarded_protocol(limits: ConnectionLimits, metrics: GatewayMetrics) -> type[
             self._phase = "body"
             self._head_bytes = 0
             self._arm(limits.body_timeout_s)
-            if not self._refused:
+            if not self._refused or self.url.partition(b"?")[0] == b"/healthz":
+                # liveness is answered even over the limit: a gateway with too many clients is busy,
+                # not dead, and an orchestrator that restarted it would drop every one of them
                 super().on_headers_complete()
                 return
             closed("over_limit")

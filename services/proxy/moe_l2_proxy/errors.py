@@ -30,6 +30,10 @@ _TYPES = {
 }
 
 
+# statuses that mean "retry later": overloaded (429) or unavailable for now (503)
+_RETRY_LATER = frozenset({429, 503})
+
+
 class GatewayError(Exception):
     """An error the gateway answers itself (bad request, upstream unreachable, ...)."""
 
@@ -107,6 +111,10 @@ def error_response(
     else:
         detail = ErrorDetail(message=message, type=error_type or _TYPES.get(status, "server_error"), code=code)
         body = ErrorBody(error=detail).model_dump()
+    if status in _RETRY_LATER and not any(name.lower() == "retry-after" for name in headers or {}):
+        # every "not now" the gateway answers says when to come back, so clients and balancers retry
+        # instead of failing (and do not hammer it at once)
+        headers = {**(headers or {}), "retry-after": "1"}
     return JSONResponse(body, status_code=status, headers=headers)
 
 

@@ -331,6 +331,13 @@ class Http1Transport(httpx.AsyncBaseTransport):
     async def _send(self, conn: _Connection, message: bytes, read_timeout: float | None, reused: bool) -> None:
         """Writes the request and waits for the head of its final response."""
         assert conn.transport is not None
+        if conn.transport.is_closing():
+            # closed by the upstream between its accept and this write (a llama replica killed right
+            # then): uvloop's write would raise RuntimeError, which reached the client as a 500; it is
+            # a connection lost before any answer, as below, and the caller may retry it elsewhere
+            if reused and not conn.received:
+                raise _DeadIdleConnection
+            raise _lost(conn, "before the request was sent")
         conn.transport.write(message)
         while not conn.head_done:
             if conn.error is not None:

@@ -133,6 +133,7 @@ async def translate(
         headers=extra,
         media_type=NDJSON,
         on_close=lease.release,
+        tail=error_line,
     )
 
 

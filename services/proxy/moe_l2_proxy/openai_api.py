@@ -64,8 +64,17 @@ def target(request: Request) -> str:
 def sse_error(gw: Gateway, exc: httpx.HTTPError) -> bytes:
     """The last event of a stream whose upstream failed midway (headers are already sent)."""
     failure = gw.llamas.transport_error(exc)
-    body = ErrorBody(error=ErrorDetail(message=failure.message, type="server_error", code=failure.code))
+    return sse_error_event(failure.message, failure.code)
+
+
+def sse_error_event(message: str, code: str | None) -> bytes:
+    body = ErrorBody(error=ErrorDetail(message=message, type="server_error", code=code))
     return b"data: " + body.model_dump_json().encode() + b"\n\n"
+
+
+def shutdown_event(message: str) -> bytes:
+    """The last event of a stream the gateway ends at the end of its shutdown grace (drain.py)."""
+    return sse_error_event(message, "shutting_down")
 
 
 async def generate(request: Request, gw: Gateway, body: bytes, decision: Decision, stream: bool) -> Response:
@@ -96,6 +105,7 @@ async def generate(request: Request, gw: Gateway, body: bytes, decision: Decisio
         upstream,
         headers={**response_headers(upstream), **_SSE_HEADERS, **extra},
         on_close=lambda: (observer.finish(), lease.release()),
+        tail=shutdown_event,
     )
 
 
@@ -143,4 +153,7 @@ async def passthrough(request: Request, path: str) -> Response:
         status_code=upstream.status_code,
         headers=response_headers(upstream),
         on_close=lease.release,
+        # an event stream (a generation through another /v1 route) ends with an error event; other bodies
+        # can only stop
+        tail=shutdown_event if upstream.headers.get("content-type", "").startswith("text/event-stream") else None,
     )

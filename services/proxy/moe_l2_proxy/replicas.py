@@ -33,6 +33,7 @@ import httpx
 from moe_l2_proxy.discovery import Endpoint, Resolver, expand, has_host_name, resolve_all
 from moe_l2_proxy.errors import GatewayError
 from moe_l2_proxy.hints import HintSender
+from moe_l2_proxy.limits import Admission
 from moe_l2_proxy.metrics import GatewayMetrics
 from moe_l2_proxy.routing import routing_policy
 from moe_l2_proxy.settings import ProxySettings
@@ -70,6 +71,7 @@ class Lease:
         self.pool = pool
         self.replica = replica
         self.released = False
+        self.admitted = False  # holds a place of the pool's Admission, given back on release
         replica.in_flight += 1
         pool.metrics.labelled(pool.metrics.replica_in_flight, replica.key).inc()
 
@@ -91,6 +93,8 @@ class Lease:
             self.released = True
             self.replica.in_flight -= 1
             self.pool.metrics.labelled(self.pool.metrics.replica_in_flight, self.replica.key).dec()
+            if self.admitted:
+                self.pool.admission.release()
 
 
 def replica_key(url: str) -> str:
@@ -127,6 +131,7 @@ class LlamaPool:
         self.cache_templates = [None] * len(self.urls) if discover else settings.cache_url_templates()
         self.authorization = llama_authorization(settings)
         self.policy = routing_policy(settings.routing, domains, settings.routing_epsilon)
+        self.admission = Admission(settings.llama_max_connections, settings.max_waiting, settings.wait_timeout_s)
         self.replicas: list[LlamaReplica] = []
         self._senders: dict[str, HintSender] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -282,6 +287,18 @@ class LlamaPool:
         once the answer is done (a stream: when it closes). `hint`: tell that replica's cache-manager
         which domain is coming."""
         order = self.choose(domain)
+        await self.admission.acquire()
+        try:
+            lease, response = await self._try_replicas(order, domain, send, hint)
+        except BaseException:
+            self.admission.release()
+            raise
+        lease.admitted = True
+        return lease, response
+
+    async def _try_replicas(
+        self, order: list[LlamaReplica], domain: str | None, send: Send, hint: bool
+    ) -> tuple[Lease, httpx.Response]:
         failures: list[GatewayError] = []
         for attempt, replica in enumerate(order):
             if attempt:

@@ -102,7 +102,23 @@ class ProxySettings(ServiceSettings):
     llama_read_timeout_s: float = Field(
         default=600.0, gt=0, description="longest silence from llama (a long prompt evaluates before any token)"
     )
-    llama_max_connections: int = Field(default=512, ge=1)
+    llama_max_connections: int = Field(
+        default=512,
+        ge=1,
+        description="requests in flight to llama at once (all replicas together); more wait, see "
+        "MOE_L2_PROXY_MAX_WAITING",
+    )
+    max_waiting: int = Field(
+        default=256,
+        ge=0,
+        description="requests waiting for one of MOE_L2_PROXY_LLAMA_MAX_CONNECTIONS; one more is answered 503 with "
+        "Retry-After at once (`overloaded`) instead of joining a queue without end",
+    )
+    wait_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="longest a request waits for one of MOE_L2_PROXY_LLAMA_MAX_CONNECTIONS; then 503 with Retry-After",
+    )
     llama_transport: Literal["fast", "httpx"] = Field(
         default="fast",
         description="how the gateway speaks HTTP to llama: `fast` (httptools, http1_transport.py) or `httpx` "
@@ -177,6 +193,14 @@ class ProxySettings(ServiceSettings):
         description="comma-separated browser origins allowed besides the local ones (http(s)://localhost, "
         "127.0.0.1, [::1], 0.0.0.0 on any port, app://, file://, tauri://, vscode-webview://); `*` inside an "
         "entry matches any characters but '/', and `*` alone allows every origin",
+    )
+
+    drain_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="on SIGTERM, how long the requests in flight may go on (new ones are refused 503, /healthz "
+        "and /readyz answer 503); a stream still running then ends with an error event. 30 s: a CPU generation "
+        "of a few hundred tokens ends within it, and it fits Kubernetes' and compose's stop grace (set above it)",
     )
 
     @property

@@ -8,6 +8,8 @@ connection to llama-server, whose slot then stops generating.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -16,6 +18,7 @@ import httpx
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from moe_l2_proxy.drain import INTERRUPT_WAIT_S, interrupted, uncancel_current
 from moe_l2_proxy.gateway import DisconnectWatch
 from moe_l2_proxy.metrics import GatewayMetrics, mark_disconnected
 
@@ -32,8 +35,12 @@ class RelayResponse(Response):
         headers: dict[str, str] | None = None,
         media_type: str | None = None,
         on_close: Callable[[], None] | None = None,
+        tail: Callable[[str], bytes] | None = None,
     ) -> None:
+        """`tail(message)`: the last bytes of a stream the gateway ends before llama did (its shutdown
+        grace is over: drain.py), in the stream's own error format."""
         self.body_iterator = body
+        self.tail = tail
         self.upstream = upstream
         self.status_code = status_code
         self.media_type = media_type
@@ -46,9 +53,11 @@ class RelayResponse(Response):
         # a task group, because this is paid once per streamed request and the loop once per token.
         completed = False
         left = False
+        started = False
         try:
             with DisconnectWatch(receive) as watch:
                 await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+                started = True
                 async for chunk in self.body_iterator:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 completed = True
@@ -56,12 +65,29 @@ class RelayResponse(Response):
             left = watch.left
         except OSError:  # servers on ASGI spec 2.4 report a gone client this way
             left = True
+        except asyncio.CancelledError:
+            if not interrupted(scope):
+                raise
+            # the drain's grace is over: the client gets an explicit end, not a cut connection
+            uncancel_current()
+            if started:
+                await self._end_interrupted(send)
         finally:
             await self._close()
             if left and not completed:
                 mark_disconnected(scope)
             if self.on_close is not None:
                 self.on_close()
+
+    async def _end_interrupted(self, send: Send) -> None:
+        message = "the gateway shut down before this answer ended (MOE_L2_PROXY_DRAIN_S); retry the request"
+        tail = self.tail(message) if self.tail is not None else b""
+        # bounded: a client that reads nothing (its socket buffers full) cannot hold the exit
+        with contextlib.suppress(OSError, TimeoutError):
+            async with asyncio.timeout(INTERRUPT_WAIT_S):
+                if tail:
+                    await send({"type": "http.response.body", "body": tail, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _close(self) -> None:
         # Nothing in here waits on the network (the transport just hands the connection back or closes
