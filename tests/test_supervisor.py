@@ -451,3 +451,88 @@ def test_stats_and_doctor_show_restarts(tmp_path: Path, monkeypatch: pytest.Monk
     _state(tmp_path, dead_pid, {"redis": _entry("running", 0)})
     check = check_supervisor()
     assert check is not None and check.status == "warn" and "may still run" in check.detail
+
+
+# --------------------------------------------------------------------------- the gateway's drain at a stop
+
+# Serves until SIGTERM, then "drains": takes `drain` seconds to exit, writing a marker once drained (a
+# process killed during its drain never writes it).
+DRAINING = textwrap.dedent(
+    """
+    import http.server, pathlib, signal, sys, threading, time
+    port, marker, drain = int(sys.argv[1]), pathlib.Path(sys.argv[2]), float(sys.argv[3])
+
+    def on_term(*_):
+        def finish():
+            time.sleep(drain)
+            marker.write_text("drained")
+            sys.stdout.flush()
+            import os
+            os._exit(0)
+        threading.Thread(target=finish, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_term)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+    """
+)
+
+
+def draining(tmp_path: Path, drain_s: float, stop_timeout_s: float | None) -> ServiceSpec:
+    port = free_port()
+    return ServiceSpec(
+        name="gateway",
+        argv=[sys.executable, "-c", DRAINING, str(port), str(tmp_path / "drained"), str(drain_s)],
+        health=http_ok(f"http://127.0.0.1:{port}/healthz", timeout_s=1),
+        url=f"http://127.0.0.1:{port}",
+        stop_timeout_s=stop_timeout_s,
+    )
+
+
+def test_a_stop_gives_a_service_its_own_grace_beyond_the_default(
+    tmp_path: Path, supervisors: Callable[..., Supervisor]
+) -> None:
+    """The gateway drains for MOE_L2_PROXY_DRAIN_S after SIGTERM: the stop waits its `stop_timeout_s`, longer
+    than the stop's own timeout, rather than killing it with its streams."""
+    sup = supervisors(tmp_path)
+    sup.start(draining(tmp_path, drain_s=2.0, stop_timeout_s=6.0))
+    proc = svc(sup, "gateway").proc
+    sup.stop(timeout_s=0.5)
+    assert (tmp_path / "drained").read_text() == "drained"
+    assert proc.returncode == 0  # it exited by itself, not by SIGKILL
+
+
+def test_a_second_interrupt_during_the_stop_kills_what_is_left_at_once(tmp_path: Path) -> None:
+    spec = draining(tmp_path, drain_s=60.0, stop_timeout_s=120.0)
+    state_path = tmp_path / "services.json"
+    runner_code = RUNNER.replace(
+        'http_ok(s["url"] + "/healthz"), s["url"])', 'http_ok(s["url"] + "/healthz"), s["url"], stop_timeout_s=120)'
+    )
+    encoded = json.dumps([{"name": spec.name, "argv": spec.argv, "url": spec.url}])
+    runner = subprocess.Popen([sys.executable, "-c", runner_code, encoded, str(state_path)])
+    try:
+        deadline = time.monotonic() + 30
+        while ((read_state(state_path) or {}).get("services") or {}).get("gateway", {}).get("state") != "running":
+            assert time.monotonic() < deadline and runner.poll() is None
+            time.sleep(0.1)
+        pid = (read_state(state_path) or {})["services"]["gateway"]["pid"]
+        runner.send_signal(signal.SIGINT)  # the stop starts: SIGTERM, the 60 s drain begins
+        time.sleep(1.0)
+        assert runner.poll() is None, "the stop did not wait for the drain"
+        runner.send_signal(signal.SIGINT)  # impatient: no more waiting
+        assert runner.wait(timeout=15) == 0
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+            runner.wait()
+    assert pid_gone(pid)
+    assert not (tmp_path / "drained").exists()
+    assert {svc["state"] for svc in read_state(state_path)["services"].values()} == {"stopped"}

@@ -59,6 +59,7 @@ from moe_l2_ops.preflight import (
 from moe_l2_ops.python_service import python_service
 from moe_l2_ops.stack_settings import StackSettings
 from moe_l2_ops.supervisor import ServiceSpec, Supervisor, SupervisorError, port_in_use, tcp_open
+from moe_l2_proxy.settings import ProxySettings
 
 if TYPE_CHECKING:
     from moe_l2_gguf.index import ExpertIndex
@@ -154,19 +155,38 @@ def cache_manager_service(settings: StackSettings, model: Path) -> ServiceSpec:
     return cache_manager_spec(settings, replicas(settings, 1)[0], model)
 
 
+# What the stop waits beyond the gateway's drain: its explicit endings of what still runs, and its exit.
+GATEWAY_STOP_MARGIN_S = 5.0
+
+
+def gateway_drain_s() -> float:
+    """The gateway's drain (MOE_L2_PROXY_DRAIN_S, else its settings' default): how long it lets its
+    answers in flight run after SIGTERM, read from the gateway's own settings so the two cannot disagree."""
+    default = float(ProxySettings.model_fields["drain_s"].default)
+    raw = os.environ.get("MOE_L2_PROXY_DRAIN_S", "").strip()
+    try:
+        return max(0.0, float(raw)) if raw else default
+    except ValueError:
+        return default  # the gateway refuses it at its start, with its own message
+
+
 def proxy_service(settings: StackSettings, predictor_urls: str, llama_env: dict[str, str] | None = None) -> ServiceSpec:
     """The gateway; `llama_env`: MOE_L2_LLAMA_URLS and MOE_L2_CACHE_URLS of the llama replicas, if several."""
     # MOE_L2_PREDICTOR_URLS set by the user wins over the replicas started here
     urls = os.environ.get("MOE_L2_PREDICTOR_URLS") or predictor_urls
     env = {"MOE_L2_PREDICTOR_URLS": urls, **(llama_env or {})}
-    return python_service("proxy", "moe_l2_proxy", settings.proxy_port, env)
+    spec = python_service("proxy", "moe_l2_proxy", settings.proxy_port, env)
+    # `moe-l2 up` stopping (Ctrl-C, SIGTERM) stops the gateway first and must give it its whole drain:
+    # SIGKILL at the stop's default 15 s would cut the streams a longer MOE_L2_PROXY_DRAIN_S lets finish
+    spec.stop_timeout_s = gateway_drain_s() + GATEWAY_STOP_MARGIN_S
+    return spec
 
 
 def stack_services(
     settings: StackSettings, model: Path, binary: Path, admin_token: str = "", llama_replicas: int = 1
 ) -> list[ServiceSpec]:
     """The services of the local stack, in start order; the gateway last, once its upstreams answer.
-    Each gets `admin_token` (MOE_L2_ADMIN_TOKEN; llama's LLAMA_MOE_ADMIN_TOKEN) when one is given.
+    Each gets `admin_token` (MOE_L2_ADMIN_TOKEN; llama's LLAMA_ARG_MOE_ADMIN_TOKEN) when one is given.
     `llama_replicas`: llama-servers, each with its cache-manager (moe_l2_ops.llama_replicas)."""
     services = [
         redis_service(settings),

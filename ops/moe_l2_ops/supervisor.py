@@ -63,6 +63,9 @@ class ServiceSpec:
     start_timeout_s: float = 120.0
     # False: the stack keeps serving (degraded) when this service's restarts are given up
     required: bool = True
+    # how long a stop waits after SIGTERM before SIGKILL; None: the stop's own timeout. The gateway's is
+    # its drain (its streams in flight finish) plus a margin, so that a stop never cuts what it drains.
+    stop_timeout_s: float | None = None
 
     def environment(self) -> dict[str, str]:
         """What the process starts with: the supervisor's environment (every MOE_L2_* setting the user
@@ -489,7 +492,8 @@ class Supervisor:
             try:
                 proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
-                self.echo(f"{service.spec.name} did not stop in {timeout_s:.0f}s; killing it")
+                if timeout_s > 0:
+                    self.echo(f"{service.spec.name} did not stop in {timeout_s:.0f}s; killing it")
                 proc.kill()
                 proc.wait()
         self._kill_group(service)
@@ -502,13 +506,26 @@ class Supervisor:
             pass  # the group is empty: nothing left behind
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        """Stops services in reverse start order: SIGTERM, then SIGKILL after timeout_s."""
+        """Stops services in reverse start order (the gateway first, so that it drains while its upstreams
+        still serve): SIGTERM, then SIGKILL after the service's `stop_timeout_s` (else timeout_s).
+
+        A second Ctrl-C (or SIGTERM) while it waits cuts every grace short: what is left is killed at
+        once. Without that, the interrupt would end the stop half-way and leave the rest running."""
         if self._probes is not None:
             self._probes.shutdown(wait=False, cancel_futures=True)
             self._probes = None
+        hurry = False
         for service in reversed(self.running):
             if service.state in ("starting", "running"):
-                self._terminate(service, timeout_s)
+                grace = service.spec.stop_timeout_s if service.spec.stop_timeout_s is not None else timeout_s
+                try:
+                    self._terminate(service, 0.0 if hurry else grace)
+                except KeyboardInterrupt:
+                    hurry = True
+                    self.echo("interrupted again: killing what is left")
+                    service.proc.kill()
+                    service.proc.wait()
+                    self._kill_group(service)
             service.state = "stopped"
             service.log.close()
         self._write_state()
