@@ -32,7 +32,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benches' own modules
 
-from cache_policies import Trace, load_esft, routing_data_dir
+from cache_policies import Trace, load_esft
+from data_paths import routing_data
 
 from moe_l2_cache.hotset import mix_tables, select_hot_set
 from moe_l2_proxy.routing import AffinityRouting, LeastLoadedRouting, RoundRobinRouting, RoutingPolicy
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
-    trace = load_esft(routing_data_dir())
+    trace = load_esft(routing_data())
     domains = sorted(set(trace.domain.tolist()))
     policies: dict[str, RoutingPolicy] = {
         "affinity": AffinityRouting(domains, args.epsilon),

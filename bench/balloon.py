@@ -20,6 +20,9 @@ Safety, because an OOM kill of llama-server (or of the developer's shell) would 
         [--chunk-mib 64] [--poll-s 0.1]
 
 stdout: JSON lines, {"event": "ready", ...} once inflated, then "freed" / "exit" events.
+
+BalloonProc, at the end, is the other side: bench/ram_tier.py starts the balloon as a child with it and reads
+those lines (both sides of one protocol in one file).
 """
 
 from __future__ import annotations
@@ -29,11 +32,18 @@ import ctypes
 import json
 import mmap
 import os
+import queue
 import signal
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import FrameType
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benches' own modules
+from harness.output import meminfo_bytes
+from harness.servers import BenchError
 
 MIB = 1 << 20
 PR_SET_PDEATHSIG = 1
@@ -43,10 +53,10 @@ EXIT_REFUSED = 3
 def mem_available() -> int:
     """MemAvailable in bytes: the kernel's estimate of what can be allocated without swapping, page
     cache that can be dropped included (so model pages in the cache do not count against it)."""
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/meminfo has no MemAvailable")
+    available = meminfo_bytes("MemAvailable")
+    if not available:
+        raise RuntimeError("/proc/meminfo has no MemAvailable")
+    return available
 
 
 def emit(event: str, **fields: object) -> None:
@@ -212,6 +222,70 @@ def main(argv: list[str] | None = None) -> int:
         regrown_bytes=regrown,
     )
     return 0
+
+
+# -- the client: bench/ram_tier.py runs the balloon as a child ---------------------------------------
+
+
+class BalloonProc:
+    """bench/balloon.py as a child: started with the room to leave, its JSON lines collected."""
+
+    def __init__(self, leave_bytes: int, margin_bytes: int, max_s: float) -> None:
+        argv = [sys.executable, str(Path(__file__).resolve()), "--leave-mib", f"{leave_bytes / MIB:.1f}"]
+        argv += ["--margin-mib", f"{margin_bytes / MIB:.1f}", "--max-s", str(int(max_s))]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.events: list[dict] = []
+        self.lines: queue.Queue[dict] = queue.Queue()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            self.events.append(event)
+            self.lines.put(event)
+
+    def wait_ready(self, timeout_s: float = 600) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                event = self.lines.get(timeout=0.5)
+            except queue.Empty:
+                if self.proc.poll() is not None and self.lines.empty():
+                    err = self.proc.stderr.read() if self.proc.stderr else ""
+                    why = f"the balloon exited ({self.proc.returncode}) before it was ready: {err.strip()}"
+                    raise BenchError(why) from None
+                continue
+            if event["event"] == "refused":
+                raise BenchError(f"the balloon refused: {event['reason']}")
+            if event["event"] == "ready":
+                return event
+        raise BenchError(f"the balloon was not ready within {timeout_s:.0f}s")
+
+    def stop(self) -> dict:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.reader.join(timeout=5)
+        freed = sum(e.get("freed_bytes", 0) for e in self.events if e["event"] == "freed")
+        ready = next((e for e in self.events if e["event"] == "ready"), {})
+        end = next((e for e in self.events if e["event"] == "exit"), {})
+        return {
+            "held_bytes": ready.get("held_bytes"),
+            "mem_available_after_inflating": ready.get("mem_available"),
+            "freed_bytes": freed,
+            "releases": sum(1 for e in self.events if e["event"] == "freed"),
+            "regrown_bytes": end.get("regrown_bytes"),
+            "held_bytes_at_end": end.get("held_bytes"),
+        }
 
 
 if __name__ == "__main__":

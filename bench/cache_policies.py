@@ -45,6 +45,7 @@ from moe_l2_cache.policy.prefetch import CrossLayerPrefetch
 
 # The study's own baselines (Belady, static sets) live beside it, not in the product's package.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from data_paths import esft_npz, routing_data
 from study_policies import make_study_policy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,13 +89,6 @@ PREFETCH_LIFTS = (2.0, 2.2, 2.4, 2.6, 2.8, 3.0, 3.2, 3.4, 3.6, 3.8, 4.0, 4.4, 4.
 LIFT_SWEEP = (2.0, 2.6, 3.2, 3.8, 4.4, 5.4)
 
 
-def routing_data_dir() -> Path:
-    """The routing data: the project's bench/data/routing, or MOE_L2_ROUTING_DATA (bench/data_paths.py)."""
-    import data_paths
-
-    return data_paths.routing_data()
-
-
 # -- sources ----------------------------------------------------------------------------------
 
 
@@ -122,7 +116,8 @@ class Trace:
 
 
 def load_esft(data: Path) -> Trace:
-    d = np.load(data / "deepseek-ai__ESFT" / "esft_routing_ids_DERIVED.npz")
+    """The ESFT trace of the routing folder `data` (bench/data_paths.py finds the file)."""
+    d = np.load(esft_npz(data))
     names = np.array(["intent", "law", "summary", "translation"])
     # DeepSeek-V2-Lite routed expert: gate, up and down, hidden 2048 x moe_intermediate 1408, in bf16.
     return Trace(
@@ -191,7 +186,6 @@ def ensure_demo_traces(path: Path) -> bool:
     """Captures the demo traces if missing (needs the patched llama-server); False if that fails."""
     if path.exists():
         return True
-    sys.path.insert(0, str(ROOT / "bench"))
     try:
         from capture_demo_traces import main as capture_main
 
@@ -734,8 +728,8 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown_tables(json.loads(args.tables.read_text())))
         return 0
     started = time.perf_counter()
-    data = routing_data_dir()
-    if not (data / "deepseek-ai__ESFT").is_dir():
+    data = routing_data()
+    if not esft_npz(data).is_file():
         print(f"routing data not found at {data} (set MOE_L2_ROUTING_DATA)", file=sys.stderr)
         return 2
     traces = [load_esft(data)]

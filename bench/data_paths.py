@@ -20,6 +20,7 @@ def routing_data() -> Path:
     return Path(env) if env else DATA / "routing"
 
 
-def esft_npz() -> Path:
-    """The ESFT routing ids (DeepSeek-V2-Lite, 26 MoE layers x 64 experts, top-6; its README has the source)."""
-    return routing_data() / "deepseek-ai__ESFT" / ESFT_NPZ_NAME
+def esft_npz(routing: Path | None = None) -> Path:
+    """The ESFT routing ids (DeepSeek-V2-Lite, 26 MoE layers x 64 experts, top-6; its README has the source),
+    in `routing` (a folder of routing datasets) or routing_data()."""
+    return (routing or routing_data()) / "deepseek-ai__ESFT" / ESFT_NPZ_NAME

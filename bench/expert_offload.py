@@ -52,18 +52,16 @@ import argparse
 import json
 import lzma
 import os
-import platform
 import re
 import secrets
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,12 +71,28 @@ import numpy as np
 
 from moe_l2_contracts.admin import ADMIN_TOKEN_HEADER
 from moe_l2_gguf.index import ExpertIndex, GGUFIndexError, load_index
-from moe_l2_llama.build import built_with_patch, built_with_test_hooks
+from moe_l2_llama.build import built_with_patch
 from moe_l2_llama.route_trace import ROUTE_TRACE_ENV, esft_sequence_tasks
-from moe_l2_llama.settings import LlamaSettings
+from moe_l2_llama.settings import LlamaSettings, cpu_has_amx
 from moe_l2_ops.llama_service import llama_service_spec
 from moe_l2_ops.stats import parse_metrics
 from moe_l2_ops.supervisor import Supervisor, SupervisorError, free_port
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benches' own modules: harness, data_paths
+import data_paths
+from harness.output import machine, write_json
+from harness.prompts import make_prompt
+from harness.servers import (
+    BenchError,
+    Interrupted,
+    on_sigterm,
+    resolve_binary,
+    start_rpc_device,
+    trace_patch_present,
+)
+from harness.timing import median, paired_ratio, rotated
+from harness.traces import interleave_domains, subset_trace
+from offload_tables import fmt_num, table, versus_best_stock, versus_table
 
 REPO = Path(__file__).resolve().parent.parent
 BACKENDS = ("vulkan", "cuda", "cpu", "rpc")
@@ -86,27 +100,6 @@ DEFAULT_OFFLOAD_MIN_BATCH = 32  # ggml-cuda's and ggml-vulkan's default for GGML
 ALL_LAYERS = 99  # -ngl 99: every layer's non-expert weights on the device
 DEVICE_MARGIN_BYTES = 1 << 30  # KV cache, compute buffers and the driver's own, per server
 TRACE_ENV = ROUTE_TRACE_ENV
-
-# Prompts of ordinary text: the demo tokenizer splits them roughly into words.
-PROMPTS = (
-    "Summarize the following contract clause about liability and indemnification for a client who",
-    "Translate this sentence into English and explain the grammar of each verb form it uses, then",
-    "Classify the intent of the customer message below as refund, complaint, question or praise:",
-    "Write a short story about a lighthouse keeper who finds a message in a bottle on the shore and",
-)
-
-
-class BenchError(Exception):
-    """Bad input or a setup that cannot run; the message is one line for the user."""
-
-
-class Interrupted(Exception):
-    """SIGTERM (a step timeout of bench/gpu_check.sh): stop measuring, report the runs done."""
-
-
-def _on_sigterm(signum: int, frame: object) -> None:
-    raise Interrupted
-
 
 # -- the configurations ---------------------------------------------------------------------------
 
@@ -476,20 +469,6 @@ class Server:
     lock: threading.Lock = field(default_factory=threading.Lock)  # next_domain from several threads
 
 
-def cpu_has_amx() -> bool:
-    try:
-        return "amx_tile" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
-def trace_patch_present(binary: Path) -> bool:
-    """Whether `binary` replays route traces."""
-    return built_with_test_hooks(binary) and built_with_patch(
-        binary, lambda p: TRACE_ENV in p.read_text(errors="replace")
-    )
-
-
 def cache_patch_present(binary: Path) -> bool:
     """Whether `binary` has the expert cache."""
     return built_with_patch(binary, lambda p: p.name[4:] == CACHE_PATCH_SUFFIX)
@@ -510,7 +489,7 @@ def server_plan(
         if concurrency(config) > 1 and getattr(args, "concurrent_trace", None):
             env[TRACE_ENV] = str(args.concurrent_trace)
     if getattr(args, "seq_tags", None):
-        env["LLAMA_MOE_DOMAINS"] = ",".join(sorted(set(args.seq_tags)))
+        env["LLAMA_ARG_MOE_DOMAINS"] = ",".join(sorted(set(args.seq_tags)))
     min_batch = int(os.environ.get("GGML_OP_OFFLOAD_MIN_BATCH", DEFAULT_OFFLOAD_MIN_BATCH))
     n: int | None = None
     if config.base in ("b", "d", "e"):
@@ -536,20 +515,6 @@ def concurrency(config: Config) -> int:
     return int(m[1]) if m else 1
 
 
-def start_rpc_device(supervisor: Supervisor, binary: Path, config: Config, args: argparse.Namespace) -> str:
-    """--backend rpc: a ggml-rpc-server of its own for one llama-server (it serves one client at a
-    time), its CPU backend the device: where the rehearsal runs when llvmpipe faults (docs/test-bed.md).
-    The RPC build is a CPU build: its servers get --no-repack, as the engine's tests give them (repacked
-    host experts cannot be copied to a device). Returns host:port for --rpc."""
-    from moe_l2_llama.build import rpc_server_binary
-    from moe_l2_ops.supervisor import ServiceSpec, tcp_open
-
-    port = free_port()
-    argv = [str(rpc_server_binary(binary)), "-H", "127.0.0.1", "-p", str(port), "-t", str(args.rpc_threads)]
-    spec = ServiceSpec(f"{config.key}-rpc", argv, tcp_open("127.0.0.1", port), f"127.0.0.1:{port}", start_timeout_s=60)
-    return supervisor.start(spec).spec.url
-
-
 def start_server(
     supervisor: Supervisor,
     binary: Path,
@@ -563,7 +528,10 @@ def start_server(
 ) -> Server:
     extra, env, n, min_batch = server_plan(config, n_cpu_moe, args)
     if args.backend == "rpc":
-        extra = ["--rpc", start_rpc_device(supervisor, binary, config, args), "--no-repack", *extra]
+        # the RPC build is a CPU build: --no-repack, as the engine's tests give it (repacked host experts cannot
+        # be copied to a device)
+        device = start_rpc_device(supervisor, binary, f"{config.key}-rpc", args.rpc_threads)
+        extra = ["--rpc", device, "--no-repack", *extra]
     parallel = concurrency(config)
     settings = LlamaSettings(
         port=free_port(),
@@ -716,31 +684,6 @@ def held_out_profile(
     return [b.model_dump() for b in bodies], tables, note
 
 
-def interleave_domains(tags: list[str], first: int, n: int) -> list[int]:
-    """n sequence indices from `first` on, round-robin over the domains (in order of first
-    appearance), each domain's sequences in order; fewer when the domains run out."""
-    queues: dict[str, list[int]] = {}
-    for q in range(first, len(tags)):
-        queues.setdefault(tags[q], []).append(q)
-    out: list[int] = []
-    while len(out) < n and any(queues.values()):
-        for queue in queues.values():
-            if queue and len(out) < n:
-                out.append(queue.pop(0))
-    return out
-
-
-def subset_trace(trace_file: Path, seqs: list[int], out: Path, tags: list[str]) -> list[str]:
-    """A route trace of the sequences `seqs` of `trace_file`, in that order; their domain tags."""
-    from moe_l2_llama.route_trace import RouteTrace, read_route_trace, write_route_trace
-
-    trace = read_route_trace(trace_file)
-    parts = [trace.sequence(q) for q in seqs]
-    offsets = np.concatenate([[0], np.cumsum([len(p) for p in parts])]).astype(np.int32)
-    write_route_trace(RouteTrace(ids=np.concatenate(parts), offsets=offsets, n_expert=trace.n_expert), out)
-    return [tags[q] for q in seqs]
-
-
 def keep_access_log(log_file: Path, out: Path, key: str) -> Path:
     """An access log whose replay differs from the engine's counters, xz-compressed next to the JSON
     (`<json stem>-<key>-access.log.xz`), so that what comes back from a GPU machine holds what it takes
@@ -835,28 +778,7 @@ def trim_to_complete_runs(servers: list[Server]) -> None:
         s.decode_cache = s.decode_cache[:n]
 
 
-def rotated(servers: list[Server], i: int) -> Iterator[Server]:
-    k = i % len(servers)
-    yield from servers[k:] + servers[:k]
-
-
-def make_prompt(i: int, words: int) -> str:
-    base = PROMPTS[i % len(PROMPTS)].split()
-    filler = " ".join(PROMPTS).split()
-    return " ".join((base + filler * (words // len(filler) + 1))[:words])
-
-
 # -- results --------------------------------------------------------------------------------------
-
-
-def paired_ratio(xs: list[float], base: list[float]) -> float | None:
-    # each pair ran in the same rotation: the median of the pairs' ratios cancels slow drifts
-    pairs = [x / b for x, b in zip(xs, base, strict=True) if b > 0]
-    return statistics.median(pairs) if pairs else None
-
-
-def median(xs: list[float] | list[int]) -> float | None:
-    return statistics.median(xs) if xs else None
 
 
 def summarize(s: Server, base: Server, log_text: str) -> dict:
@@ -915,47 +837,6 @@ def summarize(s: Server, base: Server, log_text: str) -> dict:
     }
 
 
-def _num(x: float | None, fmt: str) -> str:
-    return "-" if x is None else format(x, fmt)
-
-
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
-
-
-def _mb(x: float | None) -> str:
-    return "-" if x is None else f"{x / 1e6:.2f}"
-
-
-def table(rows: dict[str, dict]) -> str:
-    """The results as a Markdown table; host→device bytes are derived, as the header says."""
-    head = (
-        "| config | placement | device experts MB | device mem MB (llama) | prompt tok/s | vs b | decode tok/s "
-        "| vs b | H2D expert MB/token prompt (derived) | H2D expert MB/token decode (derived) | cache hit rate |"
-    )
-    lines = [head, "|" + " --- |" * 11]
-    for key, r in rows.items():
-        if r.get("concurrent") is not None or (r["status"] == "measured" and "decode_tokens_per_s" not in r):
-            continue  # an -np N row: its own line under the table
-        if r["status"] != "measured":
-            lines.append(
-                f"| {key} {r['config']} | {r['what']} | {_mb(r.get('device_expert_bytes'))} | - "
-                f"| {r['status']} | - | - | - | - | - | - |"
-            )
-            continue
-        h2d = r["h2d_expert_bytes_per_token_derived"]
-        n = "" if r["n_cpu_moe"] is None else f" (N={r['n_cpu_moe']})"
-        lines.append(
-            f"| {key} {r['config']} | {r['what'].split(':')[0]}{n} "
-            f"| {_mb(r['device_expert_bytes'])} | {_mb(r['device_memory_bytes'])} "
-            f"| {_num(r['prompt_tokens_per_s'], '.1f')} | {_num(r['prompt_ratio_vs_b'], '.2f')} "
-            f"| {_num(r['decode_tokens_per_s'], '.2f')} | {_num(r['decode_ratio_vs_b'], '.2f')} "
-            f"| {_mb(h2d['prompt'])} | {_mb(h2d['decode'])} "
-            f"| {_pct((r.get('expert_cache') or {}).get('decode_hit_rate'))} |"
-        )
-    return "\n".join(lines)
-
-
 # -- against the best stock placement, and the cost model's constants -------------------------------
 
 HOST_EXPERTS_LOG = "expert cache: host experts"  # the engine's one line saying where it keeps the experts
@@ -977,61 +858,6 @@ def host_experts_line(log_text: str) -> str | None:
     joined by " | ", if any."""
     found = [line.strip() for line in log_text.splitlines() if HOST_EXPERTS_LOG in line or MISSES_FROM_LOG in line]
     return " | ".join(found) or None
-
-
-def versus_best_stock(rows: Mapping[str, dict]) -> dict[str, dict]:
-    """Each of the project's rows (the expert cache, e and its variants) against the best stock row at
-    no more device expert bytes: the fastest of b, c, d and their pinned variants, decode and prompt
-    each on its own (the best decode and the best prompt may be different rows), as the median of each
-    side's runs. Stock rows that hold more device memory than the cache (a, c at a larger budget) are
-    not its competitors at equal device memory."""
-    measured = {k: r for k, r in rows.items() if r.get("status") == "measured" and r.get("decode_tokens_per_s")}
-    out: dict[str, dict] = {}
-    for key, row in measured.items():
-        if row.get("base") != "e":
-            continue
-        budget = row["device_expert_bytes"]
-        stock = {k: r for k, r in measured.items() if r.get("base") in ("b", "c", "d")}
-        fair = {k: r for k, r in stock.items() if r["device_expert_bytes"] <= budget}
-        entry: dict = {"device_expert_bytes": budget, "stock_rows": sorted(fair)}
-        for what in ("decode", "prompt"):
-            metric = f"{what}_tokens_per_s"
-            scored = {k: r[metric] for k, r in fair.items() if r.get(metric)}
-            if not scored or not row.get(metric):
-                entry[what] = None
-                continue
-            best = max(scored, key=lambda k: scored[k])
-            entry[what] = {
-                "best_stock": best,
-                "best_stock_tokens_per_s": scored[best],
-                "tokens_per_s": row[metric],
-                "ratio": row[metric] / scored[best],
-            }
-        out[key] = entry
-    return out
-
-
-def versus_table(versus: Mapping[str, dict]) -> str:
-    """The project's rows against the best stock row at equal device memory, ratios side by side."""
-    lines = [
-        "| row | device experts MB | decode tok/s | best stock decode | ratio "
-        "| prompt tok/s | best stock prompt | ratio |",
-        "|" + " --- |" * 8,
-    ]
-    for key, v in versus.items():
-        cells = [key, _mb(v["device_expert_bytes"])]
-        for what in ("decode", "prompt"):
-            w = v.get(what)
-            if w is None:
-                cells += ["-", "-", "-"]
-            else:
-                cells += [
-                    f"{w['tokens_per_s']:.1f}",
-                    f"{w['best_stock']} {w['best_stock_tokens_per_s']:.1f}",
-                    f"**{w['ratio']:.2f}**",
-                ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def derived_constants(rows: Mapping[str, dict], layout: ExpertLayout) -> dict:
@@ -1069,7 +895,6 @@ def load_constants(args: argparse.Namespace) -> dict | str | None:
     if args.constants == "none":
         return None
     if args.constants == "measure":
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
         from gpu_facts import DS_V2_LITE_EXPERT_BYTES, constants
 
         return constants(DS_V2_LITE_EXPERT_BYTES)
@@ -1136,26 +961,6 @@ def mapped_h2d(model: Path, size: int = 512 << 20, timeout_s: float = 120.0) -> 
 # -- inputs ---------------------------------------------------------------------------------------
 
 
-def resolve_binary(args: argparse.Namespace) -> Path:
-    if args.binary is not None:
-        if not args.binary.is_file():
-            raise BenchError(f"--binary {args.binary} does not exist")
-        if not os.access(args.binary, os.X_OK):
-            raise BenchError(f"--binary {args.binary} is not executable")
-        return args.binary
-    from moe_l2_llama.build import BuildConfig, BuildError, build
-
-    try:
-        # the route-trace hook replays a trace: a test build; with --trace none the serving build does
-        hooks = args.trace != "none"
-        config = BuildConfig(backend=args.backend, native=args.backend != "cuda", test_hooks=hooks)
-        if args.backend == "cuda":
-            config = BuildConfig(backend="cuda", cuda_architectures=args.cuda_arch, native=False, test_hooks=hooks)
-        return build(config)
-    except BuildError as exc:
-        raise BenchError(f"cannot build the {args.backend} llama-server: {exc}") from exc
-
-
 def resolve_model(args: argparse.Namespace, tmp: Path) -> tuple[Path, dict]:
     if args.model is not None:
         if not args.model.is_file():
@@ -1180,14 +985,6 @@ def resolve_model(args: argparse.Namespace, tmp: Path) -> tuple[Path, dict]:
     return path, info
 
 
-def esft_npz() -> Path:
-    """The ESFT routing npz (bench/data_paths.py: the project's copy, or MOE_L2_ROUTING_DATA's)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import data_paths
-
-    return data_paths.esft_npz()
-
-
 def resolve_trace(args: argparse.Namespace, binary: Path, layout: ExpertLayout, tmp: Path) -> tuple[Path | None, str]:
     """(the trace file or None, a note for the JSON and the table)."""
     if args.trace == "none":
@@ -1202,7 +999,7 @@ def resolve_trace(args: argparse.Namespace, binary: Path, layout: ExpertLayout, 
         return path.resolve(), f"route trace {path.name} ({TRACE_ENV})"
     if not present:
         return None, f"the model's own (random) router: this llama-server lacks the {TRACE_ENV} patch"
-    src = esft_npz()
+    src = data_paths.esft_npz()
     if not src.is_file():
         return None, f"the model's own (random) router: no ESFT routing data at {src} (set MOE_L2_ROUTING_DATA)"
     out = tmp / "esft.trace"
@@ -1428,7 +1225,6 @@ def measure(
 def read_gauges() -> dict:
     """bench/gpu_facts.py's read of the cache-manager's NVML gauges against nvidia-smi, while the
     servers hold their device memory."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from gpu_facts import gauges
 
     return gauges()
@@ -1472,7 +1268,7 @@ def concurrent_summary(round_: dict, n: int) -> dict:
         "wall_s": round(round_["wall_s"], 3),
         "prompt_tokens": prompt_tokens,
         "per_request_decode_tokens_per_s": [t["predicted_per_second"] for t in timings],
-        "summary": f"{n} concurrent: {tokens} decode tokens, aggregate {_num(agg, '.1f')} tok/s",
+        "summary": f"{n} concurrent: {tokens} decode tokens, aggregate {fmt_num(agg, '.1f')} tok/s",
     }
 
 
@@ -1480,12 +1276,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.token = secrets.token_hex(16)
     args.interrupted = False
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
         configs = parse_configs(args.configs)
         args.concurrent_configs = parse_concurrent(args.concurrent_configs_text, args.concurrent)
         args.constants_doc = load_constants(args)
-        binary = resolve_binary(args)
+        # the route-trace hook replays a trace: a test build; with --trace none the serving build does
+        binary = resolve_binary(args.binary, args.backend, test_hooks=args.trace != "none", cuda_arch=args.cuda_arch)
         with tempfile.TemporaryDirectory(prefix="expert-offload-") as tmp_name:
             tmp = Path(tmp_name)
             model, model_info = resolve_model(args, tmp)
@@ -1513,7 +1310,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.e_bytes = cache_bytes
             args.profile_bodies, args.profile_tables, profile_note = None, None, "none"
             esft = args.trace_file is not None and args.trace == "auto"
-            args.seq_tags = esft_sequence_tasks(esft_npz()) if esft and args.domains == "esft" else None
+            args.seq_tags = esft_sequence_tasks(data_paths.esft_npz()) if esft and args.domains == "esft" else None
             replayed = 1 + 2 * args.runs  # the warm-up and two requests a run: sequences 0..2 runs
             concurrent_seqs: list[int] = []
             if args.concurrent_configs and args.trace_file is not None and args.seq_tags:
@@ -1576,7 +1373,7 @@ def main(argv: list[str] | None = None) -> int:
     }[args.backend]
     results = {
         "benchmark": "expert_offload",
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "load_avg": os.getloadavg()},
+        "machine": machine(),
         "backend": args.backend,
         "device": device_note,
         "binary": str(binary),
@@ -1617,8 +1414,7 @@ def main(argv: list[str] | None = None) -> int:
         "derived_constants": derived_constants(rows, layout),
         "gpu_gauges": getattr(args, "gauges_read", None),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    write_json(args.out, results)
     print(
         f"\n{args.backend}: {model_info.get('shape', model.name)}, {layout.n_layer} layers x {layout.n_expert} "
         f"experts, one expert {max(layout.expert_bytes.values()) / 1e6:.2f} MB; cache budget "

@@ -55,6 +55,9 @@ from moe_l2_llama.build import build
 from moe_l2_llama.settings import LlamaSettings, llama_server_command, llama_server_env
 from moe_l2_ops.supervisor import RunningService, ServiceSpec, Supervisor, free_port, http_ok
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benches' own modules
+from harness.output import write_json
+
 TARGETS = ("direct", "gateway", "baseline", "keyword")
 LAYOUTS = ("shared", "isolated")
 PROMPT = "write a python function that parses a csv file and sums a column"
@@ -443,8 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         "summary": {layout: summary(results[layout]) for layout in layouts},
         "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.out, report)
     for layout in layouts:
         print(f"\n{layout}: {json.dumps(report['summary'][layout])}")
     print(f"\nwritten to {args.out}")

@@ -31,6 +31,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benches' own modules
+from harness.output import meminfo_bytes
+
 DS_V2_LITE_EXPERT_BYTES = 4_866_048  # gate + up (Q4_K) + down (Q4_0) of one ds-v2-lite expert
 BIG_COPY_BYTES = 512 << 20  # the size h2d.txt was measured at: long enough that launch costs vanish
 SMI_FIELDS = (
@@ -92,15 +95,8 @@ def cpu_facts() -> dict:
 def meminfo() -> dict[str, int]:
     """MemTotal and MemAvailable in bytes: the engine pins the experts only when the model and a margin fit
     in MemAvailable (patch 0014), and a lent machine's memory may start small and grow as it is used."""
-    out: dict[str, int] = {}
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            key, _, rest = line.partition(":")
-            if key in ("MemTotal", "MemAvailable"):
-                out[key] = int(rest.split()[0]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return out
+    figures = {key: meminfo_bytes(key) for key in ("MemTotal", "MemAvailable")}
+    return {key: value for key, value in figures.items() if value}
 
 
 def gbps(n_bytes: int, seconds: float) -> float:

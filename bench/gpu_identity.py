@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import secrets
 import signal
@@ -31,11 +30,15 @@ from pathlib import Path
 
 import httpx
 
-# bench/ is not a package: the sibling benchmark by path (its servers, configs and prompts)
+# bench/ is not a package: the sibling benchmark by path (its servers and configs), the shared harness
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import expert_offload as eo
+from harness.output import write_json
+from harness.prompts import make_prompt
+from harness.servers import Interrupted, on_sigterm
 
 from moe_l2_gguf.index import GGUFIndexError, load_index
+from moe_l2_llama.settings import cpu_has_amx
 from moe_l2_ops.supervisor import Supervisor, SupervisorError
 
 LOAD_MODE_NAMES = {"none": "pinned", "mmap": "mmap"}
@@ -104,7 +107,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, eo._on_sigterm)
+    signal.signal(signal.SIGTERM, on_sigterm)
     if not args.binary.is_file() or not args.model.is_file():
         print(f"error: --binary {args.binary} and --model {args.model} must exist", file=sys.stderr)
         return 2
@@ -117,11 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     # what start_server reads of the benchmark's arguments: no trace (the model's own router), no tags
     base = argparse.Namespace(
         ubatch=args.ubatch, backend=args.backend, trace_file=None, seq_tags=None, ctx=args.ctx,
-        threads=args.threads, no_repack=args.no_repack or eo.cpu_has_amx(), start_timeout=args.start_timeout,
+        threads=args.threads, no_repack=args.no_repack or cpu_has_amx(), start_timeout=args.start_timeout,
         cache_log_dir=None, e_bytes=0, rpc_threads=2,
     )  # fmt: skip
     token = secrets.token_hex(16)
-    prompts = [eo.make_prompt(i, args.prompt_words) for i in range(args.prompts)]
+    prompts = [make_prompt(i, args.prompt_words) for i in range(args.prompts)]
     rows = plan_rows(args.slot_list, args.mode_list)
     if not eo.cache_patch_present(args.binary):
         rows = [(c, n) for c, n in rows if c.base != "e"]
@@ -156,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                 future.result()
             except (SupervisorError, httpx.HTTPError) as exc:
                 errors[key] = str(exc).splitlines()[0]
-    except (eo.Interrupted, KeyboardInterrupt):
+    except (Interrupted, KeyboardInterrupt):
         interrupted = True
     finally:
         supervisor.stop()  # first: a request waiting on a stopped server fails at once, its thread ends
@@ -183,8 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         "interrupted": interrupted,
         "seconds": round(time.monotonic() - t_start, 1),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=2) + "\n")
+    write_json(args.out, doc)
     for key, flags in equal.items():
         print(f"{key}: {sum(flags)}/{len(flags)} outputs equal to a's")
     print(f"greedy identity: {same} of {compared} outputs equal to a's; errors: {errors or 'none'}")

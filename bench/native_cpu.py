@@ -41,6 +41,10 @@ from moe_l2_llama.settings import LlamaSettings
 from moe_l2_ops.llama_service import llama_service_spec
 from moe_l2_ops.supervisor import Supervisor, free_port
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benches' own modules
+from harness.output import write_json
+from harness.timing import paired_ratio
+
 BUILDS = ("native", "portable")
 PROMPT_WORDS = 32  # decode is the question: a short prompt keeps each run's prefill small
 
@@ -104,11 +108,6 @@ def one_run(client: httpx.Client, url: str, prompt: str, tokens: int) -> tuple[f
     body = {"prompt": prompt, "n_predict": tokens, "temperature": 0, "cache_prompt": False, "ignore_eos": True}
     timings = client.post(f"{url}/completion", json=body).raise_for_status().json()["timings"]
     return timings["predicted_per_second"], timings["prompt_per_second"]
-
-
-def paired_ratio(a: list[float], b: list[float]) -> float:
-    # each pair ran back to back: the median of the pairs' ratios cancels a shared machine's drifts
-    return statistics.median(x / y for x, y in zip(a, b, strict=True))
 
 
 def measure(bins: dict[str, Path], model: Path, prompt: str, args: argparse.Namespace, logs: Path) -> dict:
@@ -222,8 +221,7 @@ def main() -> int:
                 f"(prompt {res['prompt_ratio_native_portable']:.3f})"
             )
     results["machine"]["load_avg_after"] = os.getloadavg()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    write_json(args.out, results)
     print(f"wrote {args.out}")
     return 0
 

@@ -17,7 +17,6 @@ Methods alternate trial by trial so machine noise hits them alike; medians are c
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -32,6 +31,9 @@ import numpy as np
 
 from moe_l2_cache.residency import ExpertPool
 from moe_l2_gguf.index import ByteRange, ExpertIndex, load_index
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benches' own modules
+from harness.output import write_json
 
 N_LAYER, N_EXPERT = 8, 32
 
@@ -152,8 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratio_pin_vs_read": round(bandwidth["pin"] / bandwidth["read"], 3),
         "target_ratio": 0.8,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     print(
         f"prefetch {bandwidth['prefetch']:.0f} MiB/s, pin {bandwidth['pin']:.0f} MiB/s, sequential read "
         f"{bandwidth['read']:.0f} MiB/s: prefetch/read = {result['ratio_prefetch_vs_read']:.2f}, "

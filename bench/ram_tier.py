@@ -39,25 +39,17 @@ the texts of stock and moe-l2 for the same prompt must be identical.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import json
 import os
 import platform
-import queue
 import secrets
 import shutil
 import signal
-import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from itertools import zip_longest
 from pathlib import Path
-from types import FrameType
 
 import httpx
 import numpy as np
@@ -65,44 +57,39 @@ import numpy as np
 from moe_l2_cache.ram_tier import kept_page_bytes
 from moe_l2_domains.known import known_domains
 from moe_l2_gguf.index import ExpertIndex, GGUFIndexError, load_index
-from moe_l2_llama.build import built_with_patch, built_with_test_hooks
 from moe_l2_llama.route_trace import ROUTE_TRACE_ENV
 from moe_l2_llama.settings import LlamaSettings
 from moe_l2_ops.llama_service import llama_service_spec
 from moe_l2_ops.supervisor import ServiceSpec, Supervisor, SupervisorError, free_port, http_ok, tcp_open
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benches' own modules: harness, data_paths
+import data_paths
+from balloon import BalloonProc
+from harness.output import meminfo_bytes, write_json
+from harness.prompts import make_prompt
+from harness.servers import BenchError, Interrupted, on_sigterm, resolve_binary, trace_patch_present
+from harness.timing import median, rotated
+from harness.traces import interleave_domains, write_sequences
+from kernel_probes import (
+    FileResidency,
+    Sampler,
+    block_read_bytes,
+    block_stat_path,
+    drop_from_page_cache,
+    proc_majflt,
+    proc_read_bytes,
+)
+
 REPO = Path(__file__).resolve().parent.parent
-BALLOON = Path(__file__).resolve().parent / "balloon.py"
 MODELS_DIR = Path.home() / ".cache" / "moe-l2" / "models"
 TRACE_ENV = ROUTE_TRACE_ENV
 ESFT_TASKS = ("intent", "law", "summary", "translation")
 ESFT_N_EXPERT = 64
 MIB = 1 << 20
-PAGE = os.sysconf("SC_PAGE_SIZE")
 SEED = 42
 # "willneed": stock + the engine's read-ahead of each layer's chosen experts alone, no tier (--configs)
 CONFIGS = ("stock", "willneed", "moe-l2")
 DEFAULT_CONFIGS = ("stock", "moe-l2")
-
-PROMPTS = (
-    "Summarize the following contract clause about liability and indemnification for a client who",
-    "Translate this sentence into English and explain the grammar of each verb form it uses, then",
-    "Classify the intent of the customer message below as refund, complaint, question or praise:",
-    "Write a short story about a lighthouse keeper who finds a message in a bottle on the shore and",
-)
-
-
-class BenchError(Exception):
-    """Bad input or a setup that cannot run; the message is one line for the user."""
-
-
-class Interrupted(Exception):
-    """SIGTERM: stop, report what was measured."""
-
-
-def _on_sigterm(signum: int, frame: FrameType | None) -> None:
-    raise Interrupted
-
 
 # -- the model ------------------------------------------------------------------------------------
 
@@ -154,221 +141,6 @@ def parse_budgets(text: str) -> list[float]:
     return values
 
 
-# -- what the kernel says about a process and a file ----------------------------------------------
-
-
-def proc_majflt(pid: int) -> int:
-    """Major faults of `pid` (field 12 of /proc/PID/stat; the name in field 2 may hold spaces)."""
-    text = Path(f"/proc/{pid}/stat").read_text()
-    return int(text[text.rindex(")") + 2 :].split()[9])
-
-
-def proc_read_bytes(pid: int) -> int:
-    """Bytes this process caused to be read from storage (/proc/PID/io read_bytes; page-cache hits
-    are not counted, readahead it triggered is)."""
-    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
-        if line.startswith("read_bytes:"):
-            return int(line.split()[1])
-    return 0
-
-
-def proc_status_kib(pid: int, key: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    return 0
-
-
-def meminfo(key: str) -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def block_stat_path(path: Path) -> Path | None:
-    """/sys/dev/block/MAJ:MIN/stat of the device holding `path`, if it is a block device (not an
-    overlay or tmpfs, whose device numbers are anonymous)."""
-    st = path.stat()
-    p = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/stat")
-    return p if p.is_file() else None
-
-
-def block_read_bytes(stat: Path | None) -> int | None:
-    if stat is None:
-        return None
-    return int(stat.read_text().split()[2]) * 512  # sectors read, always 512-byte units
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.mmap.restype = ctypes.c_void_p
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-_PROT_READ, _MAP_SHARED, _MAP_FAILED = 1, 1, ctypes.c_void_p(-1).value
-
-
-class FileResidency:
-    """The page-cache residency of files through mincore on our own read-only shared mappings: a
-    mapping that is never read faults nothing in and, having no page table entries, does not stop
-    POSIX_FADV_DONTNEED (nor MADV_PAGEOUT in another process) from dropping the pages."""
-
-    def __init__(self, files: tuple[Path, ...]) -> None:
-        self.maps: list[tuple[int, int]] = []
-        for path in files:
-            size = path.stat().st_size
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                addr = _libc.mmap(None, size, _PROT_READ, _MAP_SHARED, fd, 0)
-            finally:
-                os.close(fd)
-            if addr in (None, _MAP_FAILED):
-                self.close()
-                raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
-            self.maps.append((addr, size))
-        self.vec = ctypes.create_string_buffer(max((s + PAGE - 1) // PAGE for _, s in self.maps) or 1)
-
-    def resident_bytes(self) -> int:
-        total = 0
-        for addr, size in self.maps:
-            pages = (size + PAGE - 1) // PAGE
-            if _libc.mincore(addr, size, self.vec) != 0:
-                raise OSError(ctypes.get_errno(), "mincore failed")
-            # Linux sets only bit 0 (resident) of each byte
-            total += (pages - self.vec.raw[:pages].count(b"\x00")) * PAGE
-        return total
-
-    def close(self) -> None:
-        for addr, size in self.maps:
-            _libc.munmap(addr, size)
-        self.maps = []
-
-
-def drop_from_page_cache(files: tuple[Path, ...]) -> None:
-    """Whole files out of the page cache; pages mapped by a live process would stay, so callers stop
-    every process that maps the model first."""
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-class Sampler(threading.Thread):
-    """Every `period_s`: the model's resident bytes (mincore) and llama's RssFile / RssAnon; maxima kept."""
-
-    def __init__(self, residency: FileResidency, pid: int, budget: int, period_s: float = 0.1) -> None:
-        super().__init__(daemon=True)
-        self.residency, self.pid, self.budget, self.period_s = residency, pid, budget, period_s
-        self.stop_event = threading.Event()
-        self.started = time.monotonic()
-        self.samples = 0
-        self.over: list[tuple[float, int]] = []  # (seconds since the sampler started, resident bytes) above the budget
-        self.max_resident = 0
-        self.max_rss_file = 0
-        self.max_rss_anon = 0
-        self.error: str | None = None
-
-    def start(self) -> None:
-        self.started = time.monotonic()
-        super().start()
-
-    def run(self) -> None:
-        while not self.stop_event.is_set():
-            try:
-                self.sample()
-            except (OSError, ValueError) as exc:  # llama gone: the config is over anyway
-                self.error = str(exc)
-                return
-            self.stop_event.wait(self.period_s)
-
-    def sample(self) -> None:
-        resident = self.residency.resident_bytes()
-        self.max_resident = max(self.max_resident, resident)
-        if resident > self.budget:
-            self.over.append((round(time.monotonic() - self.started, 2), resident))
-        self.max_rss_file = max(self.max_rss_file, proc_status_kib(self.pid, "RssFile") * 1024)
-        self.max_rss_anon = max(self.max_rss_anon, proc_status_kib(self.pid, "RssAnon") * 1024)
-        self.samples += 1
-
-    def finish(self) -> None:
-        """Stop, with one last sample while llama still runs (a short run may end between two)."""
-        self.stop_event.set()
-        if self.ident is None:  # never started: the config failed before its requests
-            return
-        self.join(timeout=5)
-        if self.error is None:
-            try:
-                self.sample()
-            except (OSError, ValueError) as exc:
-                self.error = str(exc)
-
-
-# -- the balloon ----------------------------------------------------------------------------------
-
-
-class BalloonProc:
-    """bench/balloon.py as a child: started with the room to leave, its JSON lines collected."""
-
-    def __init__(self, leave_bytes: int, margin_bytes: int, max_s: float) -> None:
-        argv = [sys.executable, str(BALLOON), "--leave-mib", f"{leave_bytes / MIB:.1f}"]
-        argv += ["--margin-mib", f"{margin_bytes / MIB:.1f}", "--max-s", str(int(max_s))]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.events: list[dict] = []
-        self.lines: queue.Queue[dict] = queue.Queue()
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            self.events.append(event)
-            self.lines.put(event)
-
-    def wait_ready(self, timeout_s: float = 600) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                event = self.lines.get(timeout=0.5)
-            except queue.Empty:
-                if self.proc.poll() is not None and self.lines.empty():
-                    err = self.proc.stderr.read() if self.proc.stderr else ""
-                    why = f"the balloon exited ({self.proc.returncode}) before it was ready: {err.strip()}"
-                    raise BenchError(why) from None
-                continue
-            if event["event"] == "refused":
-                raise BenchError(f"the balloon refused: {event['reason']}")
-            if event["event"] == "ready":
-                return event
-        raise BenchError(f"the balloon was not ready within {timeout_s:.0f}s")
-
-    def stop(self) -> dict:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.reader.join(timeout=5)
-        freed = sum(e.get("freed_bytes", 0) for e in self.events if e["event"] == "freed")
-        ready = next((e for e in self.events if e["event"] == "ready"), {})
-        end = next((e for e in self.events if e["event"] == "exit"), {})
-        return {
-            "held_bytes": ready.get("held_bytes"),
-            "mem_available_after_inflating": ready.get("mem_available"),
-            "freed_bytes": freed,
-            "releases": sum(1 for e in self.events if e["event"] == "freed"),
-            "regrown_bytes": end.get("regrown_bytes"),
-            "held_bytes_at_end": end.get("held_bytes"),
-        }
-
-
 # -- the services of one configuration ------------------------------------------------------------
 
 
@@ -388,7 +160,7 @@ class Stack:
 
 
 def llama_env(args: argparse.Namespace) -> dict[str, str]:
-    env = {"LLAMA_MOE_DOMAINS": ",".join(sorted(known_domains() | set(ESFT_TASKS)))}
+    env = {"LLAMA_ARG_MOE_DOMAINS": ",".join(sorted(known_domains() | set(ESFT_TASKS)))}
     if args.trace_file:
         env[TRACE_ENV] = str(args.trace_file)
     return env
@@ -550,12 +322,6 @@ def domain_of(i: int, args: argparse.Namespace) -> str:
     return domains[i % len(domains)]
 
 
-def make_prompt(i: int, words: int) -> str:
-    base = PROMPTS[i % len(PROMPTS)].split()
-    filler = " ".join(PROMPTS).split()
-    return " ".join((base + filler * (words // len(filler) + 1))[:words])
-
-
 def counters(stack: Stack, block: Path | None) -> tuple[int, int, int | None]:
     return (
         proc_majflt(stack.llama_pid),
@@ -631,7 +397,7 @@ def run_config(
     drop_from_page_cache(mb.files)
     residency = FileResidency(mb.files)
     run = ConfigRun(pct, rnd, config, budget, cold_resident_bytes=residency.resident_bytes())
-    mlocked_before = meminfo("Mlocked")
+    mlocked_before = meminfo_bytes("Mlocked")
     t0 = time.monotonic()
     stack = start_stack(config, model, binary, budget, args, logs / f"b{pct:g}-r{rnd}-{config}")
     balloon: BalloonProc | None = None
@@ -640,7 +406,7 @@ def run_config(
         run.start_seconds = round(time.monotonic() - t0, 1)
         if not args.no_balloon:
             # locked pages of the model are the budget's own but no longer count in MemAvailable
-            locked = max(0, meminfo("Mlocked") - mlocked_before)
+            locked = max(0, meminfo_bytes("Mlocked") - mlocked_before)
             balloon = BalloonProc(budget + args.margin - locked, args.margin, args.balloon_max_s)
             balloon.wait_ready()
         sampler.start()
@@ -664,10 +430,6 @@ def run_config(
 
 
 # -- results --------------------------------------------------------------------------------------
-
-
-def median(xs: list[float]) -> float | None:
-    return statistics.median(xs) if xs else None
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -777,22 +539,6 @@ def table(pct: str, b: dict) -> str:
 # -- inputs ---------------------------------------------------------------------------------------
 
 
-def resolve_binary(args: argparse.Namespace) -> Path:
-    if args.binary is not None:
-        if not args.binary.is_file() or not os.access(args.binary, os.X_OK):
-            raise BenchError(f"--binary {args.binary} does not exist or is not executable")
-        return args.binary
-    from moe_l2_llama.build import BuildConfig, BuildError, build
-
-    try:
-        if env := os.environ.get("MOE_L2_LLAMA_SERVER"):
-            return Path(env)
-        # with the route-trace hook, which replays the ESFT trace (--trace auto)
-        return build(BuildConfig(test_hooks=True))
-    except BuildError as exc:
-        raise BenchError(f"cannot build the CPU llama-server: {exc}") from exc
-
-
 def shape_size_estimate(name: str) -> int | None:
     """The generated file's tensor bytes (the header adds a few MB)."""
     from moe_l2_gguf.model_shapes import get_shape, sizes
@@ -837,20 +583,6 @@ def resolve_model(args: argparse.Namespace) -> tuple[Path, dict]:
     return path, info | {"reused": False, "write_seconds": round(result.seconds, 1)}
 
 
-def esft_npz() -> Path:
-    """The ESFT routing npz (bench/data_paths.py: the project's copy, or MOE_L2_ROUTING_DATA's)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import data_paths
-
-    return data_paths.esft_npz()
-
-
-def trace_patch_present(binary: Path) -> bool:
-    return built_with_test_hooks(binary) and built_with_patch(
-        binary, lambda p: TRACE_ENV in p.read_text(errors="replace")
-    )
-
-
 def resolve_trace(args: argparse.Namespace, binary: Path, mb: ModelBytes, tmp: Path) -> tuple[Path | None, str]:
     """(trace file or None, a note). auto: the ESFT trace when the binary replays traces and the
     model's experts match DeepSeek-V2-Lite's (64 per layer, at most its 26 MoE layers)."""
@@ -865,7 +597,7 @@ def resolve_trace(args: argparse.Namespace, binary: Path, mb: ModelBytes, tmp: P
         return None, f"the model's own router: this llama-server lacks the {TRACE_ENV} patch"
     if mb.n_expert != ESFT_N_EXPERT or mb.n_moe_layers > 26:
         return None, f"the model's own router: {mb.n_moe_layers} x {mb.n_expert} experts is not the ESFT traces' shape"
-    src = esft_npz()
+    src = data_paths.esft_npz()
     if not src.is_file():
         return None, f"the model's own router: no ESFT routing data at {src}"
     out = tmp / "esft.trace"
@@ -882,15 +614,11 @@ def resolve_trace(args: argparse.Namespace, binary: Path, mb: ModelBytes, tmp: P
 def write_interleaved_trace(src: Path, out: Path, layers: int, n_expert: int) -> list[str]:
     """The ESFT trace with its sequences reordered so that the four tasks take turns (the npz holds
     them task by task: the first requests would all be `intent`); returns each sequence's task."""
-    from moe_l2_llama.route_trace import RouteTrace, esft_sequence_tasks, from_esft_npz, write_route_trace
+    from moe_l2_llama.route_trace import esft_sequence_tasks, from_esft_npz
 
-    trace = from_esft_npz(src, layers=layers, n_expert=n_expert)
     tags = esft_sequence_tasks(src)
-    by_task = [[s for s, t in enumerate(tags) if t == task] for task in ESFT_TASKS]
-    order = [s for group in zip_longest(*by_task) for s in group if s is not None]
-    seqs = [trace.sequence(s) for s in order]
-    offsets = np.concatenate([[0], np.cumsum([len(x) for x in seqs])]).astype(np.int32)
-    write_route_trace(RouteTrace(ids=np.concatenate(seqs), offsets=offsets, n_expert=n_expert), out)
+    order = interleave_domains(tags, order=ESFT_TASKS)
+    write_sequences(from_esft_npz(src, layers=layers, n_expert=n_expert), order, out)
     return [tags[s] for s in order]
 
 
@@ -920,9 +648,9 @@ def held_out_seed(trace_file: Path, n_requests: int, seq_tags: list[str], moe_la
 
 def machine() -> dict:
     return {
-        "mem_total_bytes": meminfo("MemTotal"),
-        "mem_available_bytes_at_start": meminfo("MemAvailable"),
-        "swap_total_bytes": meminfo("SwapTotal"),
+        "mem_total_bytes": meminfo_bytes("MemTotal"),
+        "mem_available_bytes_at_start": meminfo_bytes("MemAvailable"),
+        "swap_total_bytes": meminfo_bytes("SwapTotal"),
         "cpu_count": os.cpu_count(),
         "kernel": platform.release(),
         "platform": platform.platform(),
@@ -979,22 +707,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def rotated(items: tuple[str, ...], i: int) -> Iterator[str]:
-    k = i % len(items)
-    yield from items[k:] + items[:k]
-
-
 def main(argv: list[str] | None = None, progress: Callable[[str], None] | None = None) -> int:
     args = parse_args(argv)
     say = progress or (lambda m: print(m, file=sys.stderr, flush=True))
     args.token = secrets.token_hex(16)
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     runs: list[ConfigRun] = []
     interrupted = False
     t_start = time.monotonic()
     try:
         budgets = parse_budgets(args.budgets)
-        binary = resolve_binary(args)
+        # MOE_L2_LLAMA_SERVER where --binary is not given; else the CPU build with the route-trace hook
+        env = os.environ.get("MOE_L2_LLAMA_SERVER")
+        binary = resolve_binary(args.binary or (Path(env) if env else None), "cpu", test_hooks=True)
         model, model_info = resolve_model(args)
         try:
             mb = ModelBytes.from_index(load_index(model))
@@ -1093,8 +818,7 @@ def main(argv: list[str] | None = None, progress: Callable[[str], None] | None =
             for r in runs
         ],
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    write_json(args.out, results)
     print(f"\nram_tier: {model_info.get('shape', model.name)}; routing: {trace_note}; flywheel seed: {seed_note}")
     for pct, b in results["budgets"].items():
         print()

@@ -1,6 +1,6 @@
 """Tokens/s of the patched llama-server with routing telemetry on vs off, while the flywheel pulls.
 
-Two servers run on the same generated MoE model, one with LLAMA_MOE_TELEMETRY=1 and one without;
+Two servers run on the same generated MoE model, one with --moe-telemetry and one without;
 requests alternate between them (only one generates at a time) so machine noise hits both alike.
 All along, a puller plays the cache-manager's flywheel: `GET /moe/routing?reset=1` with the admin
 token on every telemetry server, once per `--pull-interval` seconds. A pull must never hold up the
@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
-import platform
 import secrets
 import statistics
 import sys
@@ -48,6 +46,10 @@ from moe_l2_gguf.demo_model import DemoModelSpec, load_planted, make_demo_model
 from moe_l2_llama.settings import LlamaSettings, llama_server_binary
 from moe_l2_ops.llama_service import llama_service_spec
 from moe_l2_ops.supervisor import Supervisor, free_port
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benches' own modules
+from harness.output import machine, write_json
+from harness.timing import paired_ratio
 
 MODELS = {
     # the model the tests use: tiny layers, so the per-layer cost of telemetry weighs most here
@@ -218,29 +220,23 @@ def measure(
                 "off": statistics.median(pair_pp["off"]),
                 "runs": pair_pp,
             },
-            "decode_ratio_on_off": paired_ratio(pair),
-            "prompt_ratio_on_off": paired_ratio(pair_pp),
+            "decode_ratio_on_off": paired_ratio(pair["on"], pair["off"]),
+            "prompt_ratio_on_off": paired_ratio(pair_pp["on"], pair_pp["off"]),
             "decode_ratio_of_medians": statistics.median(pair["on"]) / statistics.median(pair["off"]),
             "prompt_ratio_of_medians": statistics.median(pair_pp["on"]) / statistics.median(pair_pp["off"]),
             "pulls": puller.summary(on) if puller else None,
         }
         if args.control:
             control = {"on": decode[f"{name}-off2"], "off": decode[off]}
-            results[name]["control_decode_ratio_off_off"] = paired_ratio(control)
+            results[name]["control_decode_ratio_off_off"] = paired_ratio(control["on"], control["off"])
             results[name]["decode_tokens_per_s"]["off2"] = statistics.median(control["on"])
             results[name]["decode_tokens_per_s"]["runs"]["off2"] = control["on"]
     if "baseline" in binaries:
         # telemetry off in both: what the current build's other changes (e.g. the expert cache, off) cost
         for mode in ("off", "on"):
             pair = {"on": decode[f"current-{mode}"], "off": decode[f"baseline-{mode}"]}
-            results["current"][f"decode_ratio_vs_baseline_{mode}"] = paired_ratio(pair)
+            results["current"][f"decode_ratio_vs_baseline_{mode}"] = paired_ratio(pair["on"], pair["off"])
     return results
-
-
-def paired_ratio(samples: dict[str, list[float]]) -> float:
-    # Each on/off pair ran in the same rotation: the median of the pairs' ratios cancels slow drifts
-    # of a shared machine better than the ratio of the medians.
-    return statistics.median(on / off for on, off in zip(samples["on"], samples["off"], strict=True))
 
 
 def build_key(binary: Path) -> str:
@@ -282,7 +278,7 @@ def main() -> int:
         binaries["baseline"] = args.baseline
     results: dict = {
         "benchmark": "telemetry_overhead",
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "load_avg": os.getloadavg()},
+        "machine": machine(),
         "runs": args.runs,
         "tokens": args.tokens,
         "threads": args.threads,
@@ -333,8 +329,7 @@ def main() -> int:
                 if pulls.get("failures"):
                     print(f"[{name}] {binary}: {pulls['failures']} pulls failed: {pulls['first_failure']}")
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    write_json(args.out, results)
     print(f"wrote {args.out}")
     return 0
 

@@ -147,3 +147,115 @@ def test_an_unclean_end_is_reported_before_a_start(
     assert checks["stack"]["status"] == "warn"
     assert checks["supervisor"]["status"] == "warn" and "may still run" in checks["supervisor"]["detail"]
     assert rc == 0
+
+
+# -- --model: the placement the cost model predicts (moe_l2_placement.here) ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`moe-l2 make-demo-model`: 8 MoE layers x 32 experts (4 used), a few MiB."""
+    path = tmp_path_factory.mktemp("model") / "demo.gguf"
+    subprocess.run(
+        [sys.executable, "-m", "moe_l2_ops.cli", "make-demo-model", str(path)], check=True, capture_output=True
+    )
+    return path
+
+
+def _fake_nvidia_smi(folder: Path, monkeypatch: pytest.MonkeyPatch, rows: str) -> None:
+    """An nvidia-smi on PATH that answers the --query-gpu call with `rows` (index, name, MiB)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    smi = folder / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\nprintf '%s\\n' {' '.join(repr(r) for r in rows.splitlines())}\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{folder}:{os.environ['PATH']}")
+
+
+def _placement(capsys: pytest.CaptureFixture[str], model: Path) -> tuple[dict, str]:
+    doctor.main(["--json", "--model", str(model)])
+    checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)}
+    assert all("data" not in c for name, c in checks.items() if name != "placement")  # the others' JSON as before
+    doctor.main(["--model", str(model)])
+    return checks["placement"], capsys.readouterr().out
+
+
+def test_doctor_without_a_model_has_no_placement_line(stack_env: dict[str, int]) -> None:
+    assert "placement" not in [c.name for c in doctor.machine_checks(doctor.OpsSettings(), None)]
+
+
+def test_no_gpu_says_why_nothing_is_predicted_and_where_the_experts_live(
+    stack_env: dict[str, int], demo_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi, whatever the machine has
+    monkeypatch.setattr(doctor, "check_llama_binary", lambda: Check("llama-server", "pass", "stand-in"))
+    placement, text = _placement(capsys, demo_model)
+    assert placement["status"] == "warn"  # a CPU machine serves: no failure
+    assert placement["detail"].startswith("not predicted: no GPU (no nvidia-smi on PATH)")
+    fc = placement["data"]
+    assert fc["predicted"] is False and fc["decode_tps"] is None and fc["gpus"] == []
+    assert fc["n_cpu"] == fc["shape"]["n_moe"] == 8 and fc["host_expert_bytes"] == fc["shape"]["routed_bytes"]
+    assert fc["ram_share"] == 1.0  # a few MiB: host memory holds them all
+    assert "placement (the cost model, docs/placement-model.md):" in text
+    assert "host memory holds them all" in text and "not predicted: no GPU" in text
+
+
+def test_an_h200_everything_fits_on_the_device(
+    stack_env: dict[str, int], demo_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    _fake_nvidia_smi(tmp_path / "bin", monkeypatch, "0, NVIDIA H200, 143771")
+    placement, text = _placement(capsys, demo_model)
+    fc = placement["data"]
+    assert placement["status"] == "pass" and fc["predicted"] is True
+    assert fc["n_dev"] == 8 and fc["n_cache"] == fc["n_cpu"] == 0 and fc["host_expert_bytes"] == 0
+    assert fc["decode_tps"] > 0 and fc["constants"].startswith("measured: the H200 of 2026-12-04")
+    assert "every expert fits: all 8 MoE layers on the device" in placement["detail"]
+    assert "predicted decode:" in text and "bound by" in text
+
+
+def test_a_small_card_gets_the_engines_cache_and_a_slower_decode(
+    stack_env: dict[str, int], demo_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    from moe_l2_gguf.index import load_index
+    from moe_l2_placement.machine import DEVICE_RESERVE_BYTES
+
+    index = load_index(demo_model)
+    # a card that leaves the routed experts 40% of their bytes, in whole MiB
+    mib = -(-(index.other_bytes + DEVICE_RESERVE_BYTES + int(0.4 * index.routed_bytes)) // 2**20)
+    _fake_nvidia_smi(tmp_path / "bin", monkeypatch, f"0, NVIDIA H200, {mib}\n1, NVIDIA H200, {mib}")
+    placement, text = _placement(capsys, demo_model)
+    fc = placement["data"]
+    assert fc["predicted"] is True and len(fc["gpus"]) == 2 and fc["device"] == "GPU 0 NVIDIA H200"
+    assert fc["n_cache"] > 0 and fc["slots"] >= index.n_expert_used and fc["n_dev"] + fc["n_cache"] == 8
+    assert fc["cache_bytes"] + fc["n_dev"] * index.n_expert * index.max_expert_bytes <= fc["budget_bytes"]
+    assert 0 < fc["hit_rate"] < 1 and fc["host_expert_bytes"] == fc["n_cache"] * index.n_expert * index.max_expert_bytes
+    assert "expert cache:" in text and "2 GPUs; the model places one device's experts" in text
+
+    # the same model on the whole card decodes faster: the cache's misses cost time
+    _fake_nvidia_smi(tmp_path / "bin2", monkeypatch, "0, NVIDIA H200, 143771")
+    whole, _ = _placement(capsys, demo_model)
+    assert whole["data"]["decode_tps"] > fc["decode_tps"]
+
+
+def test_an_unmeasured_card_is_an_estimate_that_says_so(
+    stack_env: dict[str, int], demo_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    _fake_nvidia_smi(tmp_path / "bin", monkeypatch, "0, NVIDIA GeForce RTX 4090, 24564")
+    placement, _ = _placement(capsys, demo_model)
+    assert placement["data"]["constants"].startswith("assumed, not measured on a NVIDIA GeForce RTX 4090")
+    assert "1008 GB/s" in placement["data"]["constants"]
+
+
+def test_the_ram_tier_when_host_memory_cannot_hold_the_experts() -> None:
+    """Past the host's memory the experts are read from the drive: the forecast says how much (no GPU), and with
+    a GPU its decode has an NVMe term (moe_l2_placement.here.forecast on a real shape)."""
+    from moe_l2_placement.here import Gpu, forecast
+    from moe_l2_placement.shape import KNOWN_SHAPES
+
+    ds = KNOWN_SHAPES["ds-v2-lite"]  # 8.1 GB of routed experts
+    cpu = forecast("ds", ds, int(12e9), [])  # 12 GB less the 8 GB reserve: half of them
+    assert not cpu.predicted and 0.4 < cpu.ram_share < 0.6 and cpu.drive_experts_per_token > 0
+    assert "keeps 49%" in cpu.why_not and "read from the drive" in "\n".join(cpu.lines())
+    gpu = forecast("ds", ds, int(12e9), [Gpu(0, "NVIDIA H200", 6 * 2**30)])
+    roomy = forecast("ds", ds, int(128e9), [Gpu(0, "NVIDIA H200", 6 * 2**30)])
+    assert gpu.predicted and gpu.ram_share < 1 and gpu.drive_experts_per_token > 0
+    assert roomy.ram_share == 1 and gpu.decode_tps < roomy.decode_tps

@@ -1,6 +1,7 @@
-"""bench/placement_model.py: the cost model against the measured GPU folders (it must pass on both, and fail
-on a folder with one cell moved by 30%), its physics (more slots never slower, the CPU/PCIe split at the
-extremes, the layers/cache split within the budget), and what it prints. No GPU, no server."""
+"""bench/placement_model.py and its library shared/moe_l2_placement: the cost model against the measured GPU
+folders (it must pass on both, and fail on a folder with one cell moved by 30%), its physics (more slots never
+slower, the CPU/PCIe split at the extremes, the layers/cache split within the budget), and what it prints. No
+GPU, no server."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from moe_l2_placement.curve import ESFT_CURVE
+from moe_l2_placement.estimate import page_cache_misses
+from moe_l2_placement.shape import KNOWN_SHAPES
+from moe_l2_placement.split import choose_split, split_time
 from tests.benches import load_bench
 
 REPO = Path(__file__).resolve().parent.parent
@@ -130,20 +135,20 @@ def test_a_faster_link_or_cpu_never_predicts_slower(pm, ds, h200):
 
 def test_the_split_puts_misses_where_the_pipe_is_free(pm):
     S = 4_866_048
-    assert pm.choose_split(6, 1, S, h2d_gbps=0.5, cpu_gbps=60) == 6  # a very slow link: all on the CPU
-    assert pm.choose_split(6, 1, S, h2d_gbps=50, cpu_gbps=0.5) == 0  # a very slow CPU: all copied
-    assert pm.choose_split(0, 1, S, h2d_gbps=50, cpu_gbps=50) == 0
+    assert choose_split(6, 1, S, h2d_gbps=0.5, cpu_gbps=60) == 6  # a very slow link: all on the CPU
+    assert choose_split(6, 1, S, h2d_gbps=50, cpu_gbps=0.5) == 0  # a very slow CPU: all copied
+    assert choose_split(0, 1, S, h2d_gbps=50, cpu_gbps=50) == 0
     # equal pipes: half each; 3 misses at equal speed: a tie between 1 and 2 on the CPU keeps the smaller
-    assert pm.choose_split(6, 1, S, h2d_gbps=50, cpu_gbps=50) == 3
-    assert pm.choose_split(3, 1, S, h2d_gbps=50, cpu_gbps=50) == 1
+    assert choose_split(6, 1, S, h2d_gbps=50, cpu_gbps=50) == 3
+    assert choose_split(3, 1, S, h2d_gbps=50, cpu_gbps=50) == 1
     # a CPU expert of many tokens costs more: the same misses of a batch go to the link
-    assert pm.choose_split(6, 16, S, h2d_gbps=50, cpu_gbps=50) < pm.choose_split(6, 1, S, h2d_gbps=50, cpu_gbps=50)
+    assert choose_split(6, 16, S, h2d_gbps=50, cpu_gbps=50) < choose_split(6, 1, S, h2d_gbps=50, cpu_gbps=50)
     # the rule of thumb in the docstring: round(m t_copy / (t_copy + t_cpu)), give or take one
     for m in range(1, 9):
-        c = pm.choose_split(m, 1, S, h2d_gbps=25, cpu_gbps=40)
+        c = choose_split(m, 1, S, h2d_gbps=25, cpu_gbps=40)
         assert abs(c - m * (S / 25) / (S / 25 + S / 40)) <= 1
-        t = pm.split_time(m, c, S / 25e9, S / 40e9)
-        assert all(t <= pm.split_time(m, o, S / 25e9, S / 40e9) for o in range(m + 1))
+        t = split_time(m, c, S / 25e9, S / 40e9)
+        assert all(t <= split_time(m, o, S / 25e9, S / 40e9) for o in range(m + 1))
 
 
 def test_layers_and_cache_within_the_budget(pm, ds, h200):
@@ -225,7 +230,7 @@ def test_the_engine_s_auto_leaves_layers_to_the_cpu_only_below_top_k(pm, ds):
 def test_known_shapes_match_model_shapes(pm):
     from moe_l2_gguf.model_shapes import get_shape, sizes
 
-    for name, known in pm.KNOWN_SHAPES.items():
+    for name, known in KNOWN_SHAPES.items():
         assert pm.Shape.named(name) == known
         s = get_shape(name)
         assert (known.n_moe, known.n_expert, known.top_k) == (len(s.moe_layers), s.n_expert, s.n_expert_used)
@@ -234,10 +239,10 @@ def test_known_shapes_match_model_shapes(pm):
 
 def test_the_embedded_curve_is_the_policy_s_replay(pm):
     got = pm.replay_curve([14])
-    assert got[14] == pm.ESFT_CURVE[14]
+    assert got[14] == ESFT_CURVE[14]
     # and it reproduces the engine's measured decode hit rates of 2026-12-04 (p12, p25, p50: 56.6, 64.5, 81.4%)
     for slots, measured in ((7, 0.5658), (14, 0.6452), (32, 0.8136)):
-        assert abs(pm.ESFT_CURVE[slots][0] - measured) < 0.005
+        assert abs(ESFT_CURVE[slots][0] - measured) < 0.005
 
 
 def test_host_memory_of_a_row(pm):
@@ -320,9 +325,9 @@ def test_the_drive_is_read_only_where_the_host_cannot_hold_the_experts(pm, h200)
     big = replace(h200, host_ram_bytes=512e9, nvme_gbps=5.0)
     small = replace(h200, host_ram_bytes=64e9, nvme_gbps=5.0)
     stock = pm.Placement("cp", n_dev=10, n_cpu=shape.n_moe - 10)
-    assert pm.page_cache_misses(shape, big, stock) == 0.0
+    assert page_cache_misses(shape, big, stock) == 0.0
     assert "NVMe reads" not in pm.decode(shape, big, stock).terms
-    misses = pm.page_cache_misses(shape, small, stock)
+    misses = page_cache_misses(shape, small, stock)
     assert 0 < misses < stock.n_cpu * shape.top_k
     slow = pm.decode(shape, small, stock)
     assert slow.terms["NVMe reads"] == pytest.approx(misses * shape.expert_bytes / 5e9)
@@ -330,9 +335,9 @@ def test_the_drive_is_read_only_where_the_host_cannot_hold_the_experts(pm, h200)
     # a cached layer's device slots and the page cache add up: fewer reads from the drive than without slots
     few = pm.Placement("lc", n_cache=shape.n_moe, slots=8, cpu_misses=True)
     many = pm.Placement("lc", n_cache=shape.n_moe, slots=32, cpu_misses=True)
-    assert pm.page_cache_misses(shape, small, many) < pm.page_cache_misses(shape, small, few)
+    assert page_cache_misses(shape, small, many) < page_cache_misses(shape, small, few)
     # the runs of the bench have no host bound: the checked cells stay as they were
-    assert h200.host_ram_bytes == 0 and pm.page_cache_misses(shape, h200, stock) == 0.0
+    assert h200.host_ram_bytes == 0 and page_cache_misses(shape, h200, stock) == 0.0
 
 
 def test_the_real_shapes_are_predicted_on_both_machines(pm):

@@ -11,6 +11,11 @@ reason, so they give way to a single `stack` line saying it is not running, a wa
 before `moe-l2 up` answers whether this machine is ready to run the stack, and a stack not started
 yet is no fault of the machine (so `moe-l2 doctor && moe-l2 up` works). Once anything runs (`moe-l2
 up`, compose, a service started by hand), every check runs and a service that does not answer fails.
+
+`--model M` adds a `placement` line and, below the checks, what the placement cost model
+(moe_l2_placement, docs/placement-model.md) predicts for M on this machine: what stays on the device, the
+expert cache, the host's experts, decode tok/s and its bounding term, or why it predicts none (no GPU: the
+model's constants are measured on a GPU machine). A warning, never a failure: a CPU machine serves too.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import resource
 import shutil
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -49,6 +54,11 @@ class Check:
     name: str
     status: Status
     detail: str
+    # what --json adds to this check's object (the placement's forecast); left out of the others' objects
+    data: dict[str, object] | None = field(default=None, compare=False)
+
+    def as_json(self) -> dict[str, object]:
+        return {k: v for k, v in asdict(self).items() if k != "data" or v is not None}
 
 
 def check_python() -> Check:
@@ -185,6 +195,24 @@ def check_gpu() -> Check:
         for g in report.gpus
     )
     return Check("gpu", "pass", f"driver {report.driver_version}, CUDA {report.cuda_version or '?'}; {gpus}")
+
+
+def check_placement(model: Path) -> Check:
+    """The placement the cost model predicts for `model` on this machine: its RAM, nvidia-smi's GPUs."""
+    from moe_l2_gguf.index import GGUFIndexError
+    from moe_l2_placement.here import forecast, host_ram_bytes, nvidia_gpus
+    from moe_l2_placement.shape import Shape
+
+    try:
+        shape = Shape.from_gguf(model)
+    except (GGUFIndexError, OSError, ValueError) as exc:  # the model line says what is wrong with the file
+        return Check("placement", "warn", f"no shape to place: {exc}")
+    gpus, no_gpu_why = nvidia_gpus()
+    fc = forecast(str(model), shape, host_ram_bytes(), gpus, no_gpu_why)
+    if fc.predicted:
+        detail = f"{fc.placement}; decode {fc.decode_tps:.1f} tok/s, bound by {fc.decode_bound}"
+        return Check("placement", "pass", detail, fc.as_dict() | {"lines": fc.lines()})
+    return Check("placement", "warn", f"not predicted: {fc.why_not}", fc.as_dict() | {"lines": fc.lines()})
 
 
 def _has_ipc_lock() -> bool:
@@ -497,6 +525,8 @@ def machine_checks(settings: OpsSettings, model: Path | None) -> list[Check]:
         _guarded("memlock", check_memlock),
         _guarded("/dev/shm", check_shm),
         _guarded("disk", check_disk),
+        # only for a model named on the command line: the prediction reads the whole tensor table
+        *([_guarded("placement", lambda: check_placement(model))] if model is not None else []),
     ]
 
 
@@ -532,7 +562,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="moe-l2 doctor",
         description="Check what moe-l2 needs and the health of the running services; exit status 1 on a failure.",
     )
-    parser.add_argument("--model", type=Path, default=None, help="GGUF to check (default: the configured model)")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="GGUF to check (default: the configured model); given, also the placement the cost model predicts",
+    )
     parser.add_argument("--json", action="store_true", help="print the checks as JSON")
     return parser.parse_args(argv)
 
@@ -541,9 +576,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     checks = run_checks(OpsSettings(), args.model)
     if args.json:
-        print(json.dumps([asdict(c) for c in checks]))
+        print(json.dumps([c.as_json() for c in checks]))
     else:
         print(render(checks))
+        for c in checks:
+            if c.data and c.data.get("lines"):
+                print(f"\n{c.name} (the cost model, docs/placement-model.md):")
+                print("\n".join(f"  {line}" for line in c.data["lines"]))  # type: ignore[union-attr]
         fails = sum(c.status == "fail" for c in checks)
         warns = sum(c.status == "warn" for c in checks)
         print(f"\n{fails} failed, {warns} warnings, {len(checks) - fails - warns} passed")
