@@ -163,7 +163,7 @@ def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _fake_nvidia_smi(folder: Path, monkeypatch: pytest.MonkeyPatch, rows: str) -> None:
-    """An nvidia-smi on PATH that answers the --query-gpu call with `rows` (index, name, MiB)."""
+    """An nvidia-smi on PATH that answers the --query-gpu call with `rows` (index, name, total MiB, free MiB)."""
     folder.mkdir(parents=True, exist_ok=True)
     smi = folder / "nvidia-smi"
     smi.write_text(f"#!/bin/sh\nprintf '%s\\n' {' '.join(repr(r) for r in rows.splitlines())}\n")
@@ -202,7 +202,7 @@ def test_no_gpu_says_why_nothing_is_predicted_and_where_the_experts_live(
 def test_an_h200_everything_fits_on_the_device(
     stack_env: dict[str, int], demo_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
-    _fake_nvidia_smi(tmp_path / "bin", monkeypatch, "0, NVIDIA H200, 143771")
+    _fake_nvidia_smi(tmp_path / "bin", monkeypatch, "0, NVIDIA H200, 143771, 143000")
     placement, text = _placement(capsys, demo_model)
     fc = placement["data"]
     assert placement["status"] == "pass" and fc["predicted"] is True
@@ -221,7 +221,7 @@ def test_a_small_card_gets_the_engines_cache_and_a_slower_decode(
     index = load_index(demo_model)
     # a card that leaves the routed experts 40% of their bytes, in whole MiB
     mib = -(-(index.other_bytes + DEVICE_RESERVE_BYTES + int(0.4 * index.routed_bytes)) // 2**20)
-    _fake_nvidia_smi(tmp_path / "bin", monkeypatch, f"0, NVIDIA H200, {mib}\n1, NVIDIA H200, {mib}")
+    _fake_nvidia_smi(tmp_path / "bin", monkeypatch, f"0, NVIDIA H200, {mib}, {mib}\n1, NVIDIA H200, {mib}, {mib}")
     placement, text = _placement(capsys, demo_model)
     fc = placement["data"]
     assert fc["predicted"] is True and len(fc["gpus"]) == 2 and fc["device"] == "GPU 0 NVIDIA H200"
@@ -231,7 +231,7 @@ def test_a_small_card_gets_the_engines_cache_and_a_slower_decode(
     assert "expert cache:" in text and "2 GPUs; the model places one device's experts" in text
 
     # the same model on the whole card decodes faster: the cache's misses cost time
-    _fake_nvidia_smi(tmp_path / "bin2", monkeypatch, "0, NVIDIA H200, 143771")
+    _fake_nvidia_smi(tmp_path / "bin2", monkeypatch, "0, NVIDIA H200, 143771, 143000")
     whole, _ = _placement(capsys, demo_model)
     assert whole["data"]["decode_tps"] > fc["decode_tps"]
 
@@ -239,7 +239,7 @@ def test_a_small_card_gets_the_engines_cache_and_a_slower_decode(
 def test_an_unmeasured_card_is_an_estimate_that_says_so(
     stack_env: dict[str, int], demo_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
-    _fake_nvidia_smi(tmp_path / "bin", monkeypatch, "0, NVIDIA GeForce RTX 4090, 24564")
+    _fake_nvidia_smi(tmp_path / "bin", monkeypatch, "0, NVIDIA GeForce RTX 4090, 24564, 24000")
     placement, _ = _placement(capsys, demo_model)
     assert placement["data"]["constants"].startswith("assumed, not measured on a NVIDIA GeForce RTX 4090")
     assert "1008 GB/s" in placement["data"]["constants"]

@@ -312,10 +312,11 @@ def test_a_cpu_build_s_kv_cache_beyond_the_ram_stops_before_the_build(moe_model:
 
 
 def fake_nvidia_smi(folder: Path, free_mib: list[int]) -> Path:
-    """An nvidia-smi that answers the free-memory query with these MiB, one GPU a line."""
+    """An nvidia-smi that answers the GPU query (index, name, total, free) with these free MiB, one GPU a line."""
     folder.mkdir(parents=True, exist_ok=True)
     tool = folder / "nvidia-smi"
-    tool.write_text("#!/bin/sh\n" + "".join(f"echo {mib}\n" for mib in free_mib))
+    rows = "".join(f"echo '{i}, NVIDIA H100, 81559, {mib}'\n" for i, mib in enumerate(free_mib))
+    tool.write_text("#!/bin/sh\n" + rows)
     tool.chmod(0o755)
     return folder
 

@@ -16,12 +16,12 @@ available RAM of a CPU build is an error (the kernel would kill llama-server for
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+
+from moe_l2_placement.here import nvidia_gpus
 
 # A test hook: the meminfo file the fit check reads, so a test can plant a small MemAvailable.
 MEMINFO_ENV = "MOE_L2_TEST_MEMINFO"
@@ -140,23 +140,8 @@ def mem_available(meminfo: Path | None = None) -> int | None:
 def nvidia_free_bytes() -> int | None:
     """The free memory of every NVIDIA GPU, summed (llama.cpp splits the layers over them); None without
     nvidia-smi or an answer from it."""
-    tool = shutil.which("nvidia-smi")
-    if tool is None:
-        return None
-    try:
-        result = subprocess.run(
-            [tool, "--query-gpu=memory.free", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=NVIDIA_SMI_TIMEOUT_S,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    try:
-        mib = [int(line) for line in result.stdout.split()] if result.returncode == 0 else []
-    except ValueError:
-        return None
-    return sum(mib) * 2**20 if mib else None
+    gpus, _ = nvidia_gpus(NVIDIA_SMI_TIMEOUT_S)
+    return sum(gpu.free_bytes for gpu in gpus) if gpus else None
 
 
 def _flag(arg: str) -> str:

@@ -53,6 +53,7 @@ class Gpu:
     index: int
     name: str
     memory_bytes: int
+    free_bytes: int = 0  # free now (what a launch can still take), as nvidia-smi reports it
 
 
 def host_ram_bytes(meminfo: Path = Path("/proc/meminfo")) -> int:
@@ -67,13 +68,13 @@ def host_ram_bytes(meminfo: Path = Path("/proc/meminfo")) -> int:
 
 
 def nvidia_gpus(timeout_s: float = 10.0) -> tuple[list[Gpu], str]:
-    """nvidia-smi's GPUs (name and total memory) and, where there are none, why."""
+    """nvidia-smi's GPUs (name, total and free memory) and, where there are none, why."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return [], "no nvidia-smi on PATH"
     try:
         out = subprocess.run(
-            [smi, "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"],
+            [smi, "--query-gpu=index,name,memory.total,memory.free", "--format=csv,noheader,nounits"],
             capture_output=True,
             text=True,
             timeout=timeout_s,
@@ -84,8 +85,9 @@ def nvidia_gpus(timeout_s: float = 10.0) -> tuple[list[Gpu], str]:
     gpus = []
     for line in out.splitlines():
         parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 3 and parts[0].isdigit() and parts[2].isdigit():
-            gpus.append(Gpu(int(parts[0]), parts[1], int(parts[2]) * 2**20))  # memory.total in MiB
+        if len(parts) == 4 and parts[0].isdigit() and parts[2].isdigit() and parts[3].isdigit():
+            total, free = (int(mib) * 2**20 for mib in parts[2:])  # nounits: MiB
+            gpus.append(Gpu(int(parts[0]), parts[1], total, free))
     return gpus, "" if gpus else "nvidia-smi lists no GPU"
 
 
