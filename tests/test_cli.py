@@ -15,7 +15,7 @@ import pytest
 
 from moe_l2_llama import build as build_mod
 from moe_l2_llama.build import LLAMA_CPP_COMMIT, BuildConfig
-from moe_l2_ops.cli import main
+from moe_l2_ops.cli import COMMANDS, main
 from moe_l2_ops.version import patch_series_hash
 from tests.test_llama_backend import H100, PLAN_ENV, fake_tool, plant_build
 
@@ -108,3 +108,14 @@ def test_version_prints_what_it_can_without_the_patches(
     assert lines[0].startswith("moe-l2 ")
     assert lines[1].endswith(f"patch series unknown: patch folder {tmp_path / 'absent'} does not exist")
     assert lines[2].startswith("llama-server: unknown (BuildError: ")
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_subcommand_s_help_prints_its_usage(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`moe-l2 COMMAND --help` is the README's way to each command's options: it must print them, not a
+    traceback (a help text with a bare % once made argparse raise on `moe-l2 bench --help`)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code in (0, None)
+    out = capsys.readouterr().out
+    assert "usage:" in out and "--help" in out, out

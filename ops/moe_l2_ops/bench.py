@@ -68,7 +68,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--budgets",
         default=DEFAULT_BUDGETS,
-        help=f"device budgets, shares of the routed experts' bytes ({DEFAULT_BUDGETS})",
+        # argparse formats help with %: the default's own percent signs are escaped
+        help=f"device budgets, shares of the routed experts' bytes ({DEFAULT_BUDGETS.replace('%', '%%')})",
     )
     p.add_argument("--runs", type=int, default=1, help="runs of each placement at each budget (default 1)")
     p.add_argument("--tokens", type=int, default=32, help="decode tokens a run (default 32)")
