@@ -743,7 +743,10 @@ class Soak:
                 record.outcome == "bad"
                 and record.transport_cut
                 and owner.fault == "proxy"
-                and record.started < self.dead_at.get(id(owner), self.fault_time(owner)) <= record.ended
+                # sent before the process was gone, its connection cut after the signal (the client may
+                # see the cut before the poll of /proc sees the process gone: ended < dead_at then)
+                and record.started < self.dead_at.get(id(owner), self.fault_time(owner))
+                and record.ended >= self.fault_time(owner)
             ):
                 record.outcome = "cut_by_kill"  # accepted by the gateway SIGKILL took away, before it was gone
             owner.sent += 1
