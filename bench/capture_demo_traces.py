@@ -29,7 +29,9 @@ import numpy as np
 
 from moe_l2_contracts.admin import ADMIN_TOKEN_HEADER
 from moe_l2_gguf.demo_model import load_planted, make_demo_model
-from moe_l2_llama.settings import LlamaSettings, llama_server_binary, llama_server_command, llama_server_env
+from moe_l2_llama.command_line import llama_server_command, llama_server_env
+from moe_l2_llama.serving_plan import llama_server_binary
+from moe_l2_llama.settings import LlamaSettings
 from moe_l2_ops.supervisor import ServiceSpec, Supervisor, free_port, http_ok
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -72,8 +72,9 @@ import numpy as np
 from moe_l2_contracts.admin import ADMIN_TOKEN_HEADER
 from moe_l2_gguf.index import ExpertIndex, GGUFIndexError, load_index
 from moe_l2_llama.build import built_with_patch
+from moe_l2_llama.cpu_features import cpu_has_amx
 from moe_l2_llama.route_trace import ROUTE_TRACE_ENV, esft_sequence_tasks
-from moe_l2_llama.settings import LlamaSettings, cpu_has_amx
+from moe_l2_llama.settings import LlamaSettings
 from moe_l2_ops.llama_service import llama_service_spec
 from moe_l2_ops.stats import parse_metrics
 from moe_l2_ops.supervisor import Supervisor, SupervisorError, free_port

@@ -38,7 +38,7 @@ from harness.prompts import make_prompt
 from harness.servers import Interrupted, on_sigterm
 
 from moe_l2_gguf.index import GGUFIndexError, load_index
-from moe_l2_llama.settings import cpu_has_amx
+from moe_l2_llama.cpu_features import cpu_has_amx
 from moe_l2_ops.supervisor import Supervisor, SupervisorError
 
 LOAD_MODE_NAMES = {"none": "pinned", "mmap": "mmap"}

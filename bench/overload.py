@@ -40,7 +40,8 @@ from pathlib import Path
 
 from moe_l2_gguf.demo_model import make_demo_model
 from moe_l2_llama.build import build
-from moe_l2_llama.settings import LlamaSettings, llama_server_command, llama_server_env
+from moe_l2_llama.command_line import llama_server_command, llama_server_env
+from moe_l2_llama.settings import LlamaSettings
 from moe_l2_ops.supervisor import RunningService, ServiceSpec, Supervisor, free_port, http_ok
 
 # Small limits, so that every kind of refusal happens within a short run on two cores.

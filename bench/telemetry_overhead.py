@@ -43,7 +43,8 @@ import httpx
 from moe_l2_contracts.admin import ADMIN_TOKEN_HEADER
 from moe_l2_contracts.domains import DEFAULT_DOMAINS
 from moe_l2_gguf.demo_model import DemoModelSpec, load_planted, make_demo_model
-from moe_l2_llama.settings import LlamaSettings, llama_server_binary
+from moe_l2_llama.serving_plan import llama_server_binary
+from moe_l2_llama.settings import LlamaSettings
 from moe_l2_ops.llama_service import llama_service_spec
 from moe_l2_ops.supervisor import Supervisor, free_port
 

@@ -16,7 +16,8 @@ from moe_l2_contracts.admin import ADMIN_TOKEN_ENV, ADMIN_TOKEN_HEADER
 from moe_l2_gguf.demo_model import load_planted, make_demo_model
 from moe_l2_llama.backend import choose_backend
 from moe_l2_llama.build import BuildConfig
-from moe_l2_llama.settings import LlamaSettings, llama_server_binary
+from moe_l2_llama.serving_plan import llama_server_binary
+from moe_l2_llama.settings import LlamaSettings
 from moe_l2_ops.llama_service import llama_service_spec
 from moe_l2_ops.supervisor import ServiceSpec, Supervisor, SupervisorError, describe_exit, free_port, tcp_open
 

@@ -20,7 +20,7 @@ the faulty machine; the demo model, the first probe, let one faulty run of 8 thr
 faulty machine (2026-12-04, load about 4): 2 tokens 0.8 s, 3 tokens 61.8 s, 9 tokens 4.2 s; this probe
 passed there in under 15 s and the Vulkan tests then ran green. On a 2-core Xeon with AVX-512
 (2026-12-06) this probe failed too, on the 9-token prompt, until llvmpipe ran on one thread: the
-service now sets LP_NUM_THREADS=1 on the software GPU (moe_l2_llama.settings.SOFTWARE_VULKAN_ENV,
+service now sets LP_NUM_THREADS=1 on the software GPU (moe_l2_llama.vulkan_env.SOFTWARE_VULKAN_ENV,
 docs/test-bed.md), and the probe runs the server as the tests do, with it.
 
 A cold shader cache is not a fault (issue 42). ggml-vulkan compiles each pipeline on its first use, and

@@ -49,7 +49,7 @@ from pathlib import Path
 import pytest
 
 from moe_l2_llama import build as build_mod
-from moe_l2_llama.settings import device_env
+from moe_l2_llama.vulkan_env import device_env
 from tests.conftest import ON_RPC_AND_LLVMPIPE, EngineDevice, RpcDevice
 
 

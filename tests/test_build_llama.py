@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from moe_l2_llama import build as build_mod
+from moe_l2_llama import build_cache
 from tests.conftest import engine_test_build
 
 MOE = [sys.executable, "-m", "moe_l2_ops.cli", "build-llama"]
@@ -139,7 +140,7 @@ def test_a_native_build_is_keyed_by_the_cpu_it_was_built_for(monkeypatch: pytest
     }.items():
         info = tmp_path / f"cpuinfo-{cpu}"
         info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
-        monkeypatch.setattr(build_mod, "cpu_isa", lambda info=info: read_isa(info))
+        monkeypatch.setattr(build_cache, "cpu_isa", lambda info=info: read_isa(info))  # what build_key reads
         keys[cpu] = (build_mod.build_key(native, patches), build_mod.build_key(portable, patches))
     assert keys["avx2"][0] != keys["avx512"][0]
     assert keys["avx2"][1] == keys["avx512"][1]
@@ -650,7 +651,7 @@ def test_the_build_cache_s_old_variable_still_works_with_one_line(
     the old name is read for one release, with one line, and the new one wins."""
     monkeypatch.delenv("MOE_L2_BUILD_CACHE_DIR", raising=False)
     monkeypatch.setenv("MOE_L2_CACHE_DIR", str(tmp_path / "old"))
-    monkeypatch.setattr(build_mod, "_warned_old_cache_env", set())
+    monkeypatch.setattr(build_cache, "_warned_old_cache_env", set())
     assert build_mod.default_cache_dir() == tmp_path / "old"
     assert build_mod.default_cache_dir() == tmp_path / "old"
     err = capsys.readouterr().err.strip().splitlines()

@@ -56,8 +56,10 @@ from moe_l2_cache.policy.replay import DomainTables, read_access_log, replay_acc
 from moe_l2_contracts.admin import ADMIN_TOKEN_HEADER
 from moe_l2_contracts.schemas.llama import ExpertCacheProfile, ExpertCacheProfileResult, ExpertCacheShape, decode_f32
 from moe_l2_gguf.model_shapes import get_shape, sizes, tensor_plan
+from moe_l2_llama.command_line import llama_server_command, llama_server_env
 from moe_l2_llama.route_trace import from_esft_npz, write_route_trace
-from moe_l2_llama.settings import LlamaSettings, device_env, llama_server_command, llama_server_env
+from moe_l2_llama.settings import LlamaSettings
+from moe_l2_llama.vulkan_env import device_env
 from moe_l2_ops.doctor import check_expert_cache
 from moe_l2_ops.stats import OpsSettings, expert_cache_summary, parse_metrics, render_expert_cache
 from tests.conftest import ON_RPC_AND_LLVMPIPE, EngineDevice, RpcDevice

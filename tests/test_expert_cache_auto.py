@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from moe_l2_llama.build import default_patches_dir
-from moe_l2_llama.settings import LlamaSettings, llama_server_command
+from moe_l2_llama.command_line import llama_server_command
+from moe_l2_llama.settings import LlamaSettings
 from tests.benches import load_bench
 from tests.conftest import RpcDevice, VulkanDevice
 from tests.test_expert_cache import EXPERT_BYTES, N_MOE, N_PREDICT, SHAPE, cache_off_reference, serve_on

@@ -33,7 +33,9 @@ import pytest
 
 from moe_l2_cache.policy.replay import read_access_log, replay_accesses
 from moe_l2_contracts.schemas.llama import ExpertCacheShape
-from moe_l2_llama.settings import SOFTWARE_VULKAN_ENV, LlamaSettings, llama_server_command
+from moe_l2_llama.command_line import llama_server_command
+from moe_l2_llama.settings import LlamaSettings
+from moe_l2_llama.vulkan_env import SOFTWARE_VULKAN_ENV
 from tests.conftest import RpcDevice
 from tests.test_expert_cache import (
     AHEAD_BYTES,

@@ -27,8 +27,9 @@ import pytest
 from moe_l2_cache.policy.profile import fit_profile
 from moe_l2_cache.policy.replay import read_access_log, replay_accesses
 from moe_l2_contracts.schemas.llama import ExpertCacheProfile
+from moe_l2_llama.command_line import llama_server_command
 from moe_l2_llama.route_trace import from_esft_npz, write_route_trace
-from moe_l2_llama.settings import LlamaSettings, llama_server_command
+from moe_l2_llama.settings import LlamaSettings
 from tests.conftest import ON_RPC_AND_LLVMPIPE, EngineDevice, RpcDevice
 from tests.test_expert_cache import (
     N_MOE,

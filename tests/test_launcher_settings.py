@@ -7,7 +7,7 @@ one from each and shows it.
 What "reaches" means, per service:
 - a Python service: the variable, with the user's value, in its environment (compose, `up`: then read back
   through the service's own settings model); on Kubernetes, declared on its container;
-- llama-server: what LlamaSettings makes of the value (moe_l2_llama.settings.llama_server_command / _env:
+- llama-server: what LlamaSettings makes of the value (moe_l2_llama.command_line.llama_server_command / _env:
   a flag with the value, a switch, a variable), in llama's arguments or as llama-server's own LLAMA_ARG_*;
 - replicas: compose's `scale:`, the workload's replicas (the predictor's HorizontalPodAutoscaler), `up`'s
   number of processes.
@@ -37,8 +37,10 @@ from typing import Any, NamedTuple
 
 import pytest
 
+import moe_l2_llama.command_line
 import moe_l2_llama.settings
-from moe_l2_llama.settings import LlamaSettings, llama_server_command, llama_server_env
+from moe_l2_llama.command_line import llama_server_command, llama_server_env
+from moe_l2_llama.settings import LlamaSettings
 from moe_l2_ops.deployment import (
     COMPOSE,
     KUBERNETES,
@@ -448,7 +450,7 @@ TOTAL = "llama-server's -c"  # not a setting: each request's context times the s
 # Settings whose compose.yaml fallback differs from the model's default on purpose, and why.
 OWN_DEFAULTS = {
     "MOE_L2_LLAMA_EXPERT_CACHE_BYTES": "compose.yaml is the GPU stack, and auto is `moe-l2 up`'s default on a "
-    "GPU build too (moe_l2_llama.settings.GPU_DEFAULTS); compose.cpu.yaml and the Kubernetes base turn it off",
+    "GPU build too (moe_l2_llama.serving_plan.GPU_DEFAULTS); compose.cpu.yaml and the Kubernetes base turn it off",
 }
 # compose's entrypoint unsets these when empty, so that an empty fallback is no value at all
 UNSET_WHEN_EMPTY = {"MOE_L2_RAM_BUDGET"}  # the cache-manager's: `[ -n "$$MOE_L2_RAM_BUDGET" ] || unset ...`
@@ -634,7 +636,7 @@ def test_a_planted_default_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert difference("MOE_L2_LLAMA_MODEL_ALIAS", "moe-l2", started, "deepseek-v2-lite") in said
 
     # moe-l2 up: the issue's -c, each request's context as the total (1,024 tokens a request over 4 slots)
-    monkeypatch.setattr(moe_l2_llama.settings, "total_context", lambda settings: settings.ctx_per_request)
+    monkeypatch.setattr(moe_l2_llama.command_line, "total_context", lambda settings: settings.ctx_per_request)
     with pytest.raises(AssertionError) as caught:
         check_defaults(expected, up_defaults(tmp_path))
     said = str(caught.value)

@@ -17,13 +17,9 @@ import pytest
 from moe_l2_llama import backend as backend_mod
 from moe_l2_llama import build as build_mod
 from moe_l2_llama.build import BuildConfig, BuildError
-from moe_l2_llama.settings import (
-    SOFTWARE_VULKAN_ENV,
-    LlamaSettings,
-    device_env,
-    plan_serving,
-    prepare_llama_server,
-)
+from moe_l2_llama.serving_plan import plan_serving, prepare_llama_server
+from moe_l2_llama.settings import LlamaSettings
+from moe_l2_llama.vulkan_env import SOFTWARE_VULKAN_ENV, device_env
 
 H100 = "NVIDIA H100 80GB HBM3, 9.0"
 # What the driver prints when it cannot reach its GPU (a container without the device, a driver mismatch).
@@ -299,7 +295,7 @@ def test_doctor_says_why_it_falls_back_to_the_cpu(bin_dir: Path) -> None:
 def test_outside_up_auto_is_the_cpu_build(bin_dir: Path) -> None:
     """Tests and benchmarks ask llama_server_binary for the engine they measure: a GPU on the machine
     does not turn their CPU build into a 30-minute CUDA compile."""
-    from moe_l2_llama.settings import llama_server_binary
+    from moe_l2_llama.serving_plan import llama_server_binary
 
     fake_tool(bin_dir, "nvidia-smi", H100 + "\n")
     planted = plant_build(BuildConfig())

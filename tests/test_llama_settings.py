@@ -11,15 +11,11 @@ import httpx
 import pytest
 
 from moe_l2_gguf.model_shapes import get_shape, write_shape_model
-from moe_l2_llama.settings import (
-    LlamaSettings,
-    build_backend,
-    cpu_has_amx,
-    device_env,
-    llama_server_command,
-    llama_server_env,
-    warn_ctx_size_deprecated,
-)
+from moe_l2_llama.build_info import build_backend
+from moe_l2_llama.command_line import llama_server_command, llama_server_env
+from moe_l2_llama.cpu_features import cpu_has_amx
+from moe_l2_llama.settings import LlamaSettings, warn_ctx_size_deprecated
+from moe_l2_llama.vulkan_env import device_env
 from moe_l2_ops.llama_service import llama_service_spec
 from moe_l2_ops.supervisor import Supervisor, free_port
 

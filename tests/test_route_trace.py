@@ -23,6 +23,7 @@ import pytest
 from moe_l2_cache.policy.profile import transition_counts
 from moe_l2_contracts.schemas.llama import LayerPairCounts
 from moe_l2_gguf.model_shapes import get_shape, write_shape_model
+from moe_l2_llama.command_line import llama_server_command, llama_server_env
 from moe_l2_llama.route_trace import (
     ESFT_TASKS,
     RouteTrace,
@@ -33,7 +34,7 @@ from moe_l2_llama.route_trace import (
     read_route_trace,
     write_route_trace,
 )
-from moe_l2_llama.settings import LlamaSettings, llama_server_command, llama_server_env
+from moe_l2_llama.settings import LlamaSettings
 from moe_l2_ops.llama_service import llama_service_spec
 from moe_l2_ops.supervisor import Supervisor, free_port
 from tests.benches import load_bench

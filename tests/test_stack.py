@@ -381,7 +381,7 @@ def test_up_serves_a_build_without_the_test_hooks(
 ) -> None:
     """`moe-l2 up` (and `make run`) asks the build for a serving binary: no route-trace hook, no upstream test
     programs. Its own code path to the build, stopped there: nothing is compiled."""
-    from moe_l2_llama import settings as llama_settings
+    from moe_l2_llama import serving_plan
     from moe_l2_ops import stack
 
     asked: list[BuildConfig] = []
@@ -390,7 +390,7 @@ def test_up_serves_a_build_without_the_test_hooks(
         asked.append(config)
         raise BuildError("stopped where the build would start")
 
-    monkeypatch.setattr(llama_settings, "build", no_build)
+    monkeypatch.setattr(serving_plan, "build", no_build)
     monkeypatch.setattr(signal, "signal", lambda *_: None)  # main's handlers would outlive the test
     monkeypatch.delenv("MOE_L2_LLAMA_SERVER", raising=False)
     monkeypatch.setenv("MOE_L2_LLAMA_BACKEND", "cpu")  # the CPU build whatever GPU this machine has

@@ -43,7 +43,8 @@ from pathlib import Path
 import pytest
 
 from moe_l2_llama import build as build_mod
-from moe_l2_llama.settings import LlamaSettings, llama_server_env
+from moe_l2_llama.command_line import llama_server_env
+from moe_l2_llama.settings import LlamaSettings
 from moe_l2_ops.supervisor import free_port
 from tests.upstream_server import plugin
 

@@ -39,7 +39,7 @@ from moe_l2_contracts.services import LLAMA
 from moe_l2_ops.stats import OpsSettings, format_bytes
 
 if TYPE_CHECKING:
-    from moe_l2_llama.settings import ServingPlan
+    from moe_l2_llama.serving_plan import ServingPlan
 
 Status = Literal["pass", "warn", "fail"]
 GiB = 1 << 30
@@ -96,7 +96,8 @@ def serving_binary() -> tuple[ServingPlan, Path | None]:
     binary: MOE_L2_LLAMA_SERVER's, else the cached build of the plan's config, None if not built yet.
     Raises BuildError where `up` would refuse the plan."""
     from moe_l2_llama.build import built_binary
-    from moe_l2_llama.settings import LlamaSettings, plan_serving
+    from moe_l2_llama.serving_plan import plan_serving
+    from moe_l2_llama.settings import LlamaSettings
 
     plan = plan_serving(LlamaSettings())
     return plan, plan.given if plan.given is not None else built_binary(plan.choice.config)

@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from moe_l2_contracts.services import LLAMA
-from moe_l2_llama.settings import LlamaSettings, device_env, llama_server_command, llama_server_env
+from moe_l2_llama.command_line import llama_server_command, llama_server_env
+from moe_l2_llama.settings import LlamaSettings
+from moe_l2_llama.vulkan_env import device_env
 from moe_l2_ops.supervisor import ServiceSpec, http_ok
 
 

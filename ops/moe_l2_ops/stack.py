@@ -63,7 +63,8 @@ from moe_l2_proxy.settings import ProxySettings
 
 if TYPE_CHECKING:
     from moe_l2_gguf.index import ExpertIndex
-    from moe_l2_llama.settings import LlamaSettings, ServingPlan
+    from moe_l2_llama.serving_plan import ServingPlan
+    from moe_l2_llama.settings import LlamaSettings
 
 
 def stack_admin_token(settings: StackSettings) -> str:
@@ -284,7 +285,7 @@ def planned_binary(plan: ServingPlan) -> Path:
 def check_fit(index: ExpertIndex, llama: LlamaSettings, plan: ServingPlan, replicas: int) -> None:
     """The model and its KV cache against the RAM and (CUDA) the GPU: warnings printed, an error raised. The
     context and the cache's type are read from llama-server's command, as the replicas will be started."""
-    from moe_l2_llama.settings import llama_server_command
+    from moe_l2_llama.command_line import llama_server_command
 
     argv = llama_server_command(planned_binary(plan), index.path, llama)
     backend = plan.choice.backend
@@ -367,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from moe_l2_gguf.demo_model import DemoModelError
     from moe_l2_llama.build import BuildError
-    from moe_l2_llama.settings import LlamaSettings, llama_server_binary, plan_serving
+    from moe_l2_llama.serving_plan import llama_server_binary, plan_serving
+    from moe_l2_llama.settings import LlamaSettings
     from moe_l2_ops.deployment import prepare_gateway, refuse_ram_tier_with_replicas
 
     # Explicit for SIGINT too: a shell starting us in the background leaves SIGINT ignored.

@@ -52,7 +52,7 @@ def source_line() -> str:
 def binary_line() -> str:
     """The llama-server `moe-l2 up` would serve with (doctor's lookup): its backend and path, or that it
     is not built yet."""
-    from moe_l2_llama.settings import known_backend
+    from moe_l2_llama.build_info import known_backend
     from moe_l2_ops.doctor import serving_binary
 
     plan, binary = serving_binary()

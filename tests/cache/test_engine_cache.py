@@ -28,7 +28,8 @@ import pytest
 
 from moe_l2_cache.engine_cache import domain_prior
 from moe_l2_contracts.schemas.llama import ExpertCacheProfile, ExpertCacheShape
-from moe_l2_llama.settings import LlamaSettings, counts_transitions
+from moe_l2_llama.command_line import counts_transitions
+from moe_l2_llama.settings import LlamaSettings
 from moe_l2_ops.stats import parse_metrics
 from tests.test_expert_cache import EXPERT_BYTES, SHAPE, metric, serve_on
 from tests.test_vulkan import PROMPTS, Model, greedy_one

@@ -63,7 +63,7 @@ _STORIES = (
     "asserts what stories260K writes (a regex over its text) or how its tokenizer counts a prompt (prompt_n, "
     "n_saved): the demo model is random weights with its own vocabulary"
 )
-_NO_UI = "needs the web UI, which moe-l2 builds without (-DLLAMA_BUILD_UI=OFF in build.py's BASE_CMAKE_FLAGS)"
+_NO_UI = "needs the web UI, which moe-l2 builds without (-DLLAMA_BUILD_UI=OFF in build_config.py's BASE_CMAKE_FLAGS)"
 _IMAGES = "needs tinygemma3 and its mmproj from Hugging Face (images); the demo model is text only"
 
 DESELECTED: dict[str, str] = {

@@ -25,7 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from moe_l2_llama.build import CUDA_ARCHITECTURES, BuildConfig, BuildError, built_binary, check_toolchain
+from moe_l2_llama.build_cache import built_binary
+from moe_l2_llama.build_config import CUDA_ARCHITECTURES, BuildConfig, BuildError
+from moe_l2_llama.cmake_build import check_toolchain
 
 BACKEND_ENV = "MOE_L2_LLAMA_BACKEND"
 Requested = Literal["auto", "cpu", "cuda", "vulkan"]

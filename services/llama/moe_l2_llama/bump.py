@@ -19,7 +19,7 @@ It also measures the conflict surface: for every file the series touches, the li
 it between the two versions and the patches that touch it.
 
 When every patch is clean or merged, `--out DIR` writes the refreshed series (`git format-patch`, the
-same names), ready to replace services/llama/patches. The pin itself (build.py's version, sdist sha256
+same names), ready to replace services/llama/patches. The pin itself (build_config.py's version, sdist sha256
 and llama.cpp commit, tests/llama_series_manifest.json) is then moved by hand: docs/llama-fork.md,
 "Bumping llama.cpp", lists the steps.
 
