@@ -119,7 +119,7 @@ http {{
 class RollingConfig:
     llama_server: Path
     clients: int = 12
-    max_requests: int = 5000  # the count bound
+    max_requests: int = 20000  # the count bound, a safety net: the load must outlast both restarts
     deadline_s: float = 600.0  # the time bound: clients stop sending then, restarts or not
     warmup_s: float = 5.0  # traffic before the first SIGTERM
     settle_s: float = 8.0  # traffic after each restart, before the next one (and before the end)
