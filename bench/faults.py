@@ -23,21 +23,22 @@ schema (`response_format` for OpenAI, Ollama's `format`, which the gateway turns
 string matching `^<nonce>( [a-z]+)*$`, so llama-server's grammar sampler makes the answer start with
 `"<nonce>` and go on for a few dozen words. No mechanism was added for it.
 
-What is counted, per fault (requests by the time they ended, so a request cut by a kill is the
-kill's): sent; answered in full (complete, with its own nonce); refused cleanly (503/429 with
-Retry-After, or an error event in the stream: OpenAI's SSE `data: {"error"...}`, Ollama's
-`{"error": ...}` line); unreachable (the gateway's port refused the connection: nothing was accepted;
-the client tries again); cut by their own client (on purpose); cut by the kill (in flight inside a
-gateway killed with SIGKILL, which no process can answer for); failed badly (any other 5xx or status,
-a stream cut without an error event, no answer within HANG_S, a wrong nonce or no nonce). Recovery:
-seconds from the fault until the service is healthy again (a new process, as the supervisor's state
-file says) and a request sent after the fault was answered in full, whichever is later. Flywheel:
-the cache-managers pull only when told (MOE_L2_CACHE_PULL_INTERVAL_S=0) so that every pull's answer
-is known; right before a fault the pulls are settled (llama's counts flushed into Redis, none
-buffered) and Redis' totals read (routed tokens and activations, undecayed with MOE_L2_CACHE_DECAY=1):
-those are acknowledged. After the repair the pulls are settled again and whatever is missing from
-those totals is lost. At the end Redis' growth over the run must equal what the successful pulls took
-(a pull buffered while Redis was down included).
+What is counted, per fault (requests by the time they ended, so a request cut by a kill is the kill's):
+sent; answered in full (complete, with its own nonce); refused cleanly (503/429 with Retry-After, or an
+error event in the stream: OpenAI's SSE `data: {"error"...}`, Ollama's `{"error": ...}` line);
+unreachable (the gateway's port refused the connection: nothing was accepted; the client tries again);
+cut by their own client (on purpose); cut by the kill (a connection of a gateway killed with SIGKILL,
+which no process can answer for: in flight inside it, or sent on a keep-alive connection it held before
+its replacement existed, as a client library's retry expects); failed badly (any other 5xx or status, a
+stream cut without an error event, no answer within HANG_S, a wrong nonce or no nonce). Recovery:
+seconds from the fault until the service is healthy again (a new process, as the supervisor's state file
+says) and a request sent after the fault was answered in full, whichever is later. Flywheel: the
+cache-managers pull only when told (MOE_L2_CACHE_PULL_INTERVAL_S=0) so that every pull's answer is
+known; right before a fault the pulls are settled (llama's counts flushed into Redis, none buffered) and
+Redis' totals read (routed tokens and activations, undecayed with MOE_L2_CACHE_DECAY=1): those are
+acknowledged. After the repair the pulls are settled again and whatever is missing from those totals is
+lost. At the end Redis' growth over the run must equal what the successful pulls took (a pull buffered
+while Redis was down included).
 
 Targets: failed badly 0 for every fault; recovery <= 30 s (the gateway: <= 10 s); counts lost 0.
 
@@ -590,6 +591,7 @@ class Soak:
         self.results: list[FaultResult] = []
         self.windows: list[tuple[float, FaultResult]] = []  # (fault's time, its result), in order
         self.dead_at: dict[int, float] = {}  # a SIGKILLed process gone (by its result's id)
+        self.replaced_at: dict[int, float] = {}  # its replacement's start (by its result's id)
 
     def target(self, fault: str) -> tuple[str, signal.Signals]:
         service, sig = TARGETS[fault]
@@ -690,6 +692,8 @@ class Soak:
             current = self.stack.services().get(service) or {}
             if current.get("state") == "running" and current.get("pid") not in (None, pid):
                 result.back_s = round(now - at, 2)
+                if (started := process_started_at(current["pid"])) is not None:
+                    self.replaced_at[id(result)] = started
                 break
             if self.stack.proc.poll() is not None:
                 result.problems.append(f"`moe-l2 up` exited ({self.stack.proc.returncode}) after the fault")
@@ -730,6 +734,11 @@ class Soak:
             result.problems.append(f"`moe-l2 up` exited with {code} on SIGTERM")
         return code
 
+    def connections_owned_until(self, result: FaultResult) -> float:
+        """Until when every connection to the port was the killed process's: its replacement's start
+        (nothing else listened before it), or when it was seen gone where the start is unknown."""
+        return self.replaced_at.get(id(result)) or self.dead_at.get(id(result), self.fault_time(result))
+
     def attribute(self) -> None:
         """Each request to the phase its end fell in (warm-up before the first fault); then the counts."""
         warmup = FaultResult("(no fault)", "-", "-", 0.0)
@@ -743,12 +752,14 @@ class Soak:
                 record.outcome == "bad"
                 and record.transport_cut
                 and owner.fault == "proxy"
-                # sent before the process was gone, its connection cut after the signal (the client may
-                # see the cut before the poll of /proc sees the process gone: ended < dead_at then)
-                and record.started < self.dead_at.get(id(owner), self.fault_time(owner))
+                # sent before another process could have its connection, cut after the signal: the
+                # killed gateway's (accepted before it was gone, or a keep-alive connection it held that
+                # the pool handed out as the kill closed it; the client may see the cut before the poll
+                # of /proc sees the process gone: ended < dead_at then)
+                and record.started < self.connections_owned_until(owner)
                 and record.ended >= self.fault_time(owner)
             ):
-                record.outcome = "cut_by_kill"  # accepted by the gateway SIGKILL took away, before it was gone
+                record.outcome = "cut_by_kill"
             owner.sent += 1
             setattr(owner, record.outcome, getattr(owner, record.outcome) + 1)
             if record.outcome == "bad" and len(owner.bad_examples) < 5:
@@ -777,6 +788,17 @@ def wait_gone(pid: int, timeout_s: float = 10.0) -> float:
             break
         time.sleep(0.01)
     return time.monotonic()
+
+
+def process_started_at(pid: int) -> float | None:
+    """When process `pid` started, on time.monotonic()'s clock (None: gone). /proc gives it in clock ticks
+    since boot, rounded down, so the value is never later than the start."""
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+    since_boot = ticks / os.sysconf("SC_CLK_TCK")
+    return since_boot - time.clock_gettime(time.CLOCK_BOOTTIME) + time.monotonic()
 
 
 @contextlib.contextmanager
