@@ -30,12 +30,13 @@ from pathlib import Path
 
 import httpx
 
-# bench/ is not a package: the sibling benchmark by path (its servers and configs), the shared harness
+# bench/ is not a package: expert_offload's modules by path (its configs and servers), the shared harness
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import expert_offload as eo
 from harness.output import write_json
 from harness.prompts import make_prompt
 from harness.servers import Interrupted, on_sigterm
+from offload_configs import BACKENDS, CONFIGS, Config, ExpertLayout, cache_patch_present
+from offload_servers import start_server
 
 from moe_l2_gguf.index import GGUFIndexError, load_index
 from moe_l2_llama.cpu_features import cpu_has_amx
@@ -44,18 +45,18 @@ from moe_l2_ops.supervisor import Supervisor, SupervisorError
 LOAD_MODE_NAMES = {"none": "pinned", "mmap": "mmap"}
 
 
-def plan_rows(slots: list[int], load_modes: list[str]) -> list[tuple[eo.Config, int]]:
+def plan_rows(slots: list[int], load_modes: list[str]) -> list[tuple[Config, int]]:
     """(config, slots per layer or 0) of every row, a first."""
-    rows: list[tuple[eo.Config, int]] = [(eo.CONFIGS["a"], 0)]
+    rows: list[tuple[Config, int]] = [(CONFIGS["a"], 0)]
     for mode in load_modes:
         label = LOAD_MODE_NAMES.get(mode, mode)
-        d = eo.CONFIGS["d"]
-        rows.append((eo.Config(f"d-{label}", f"{d.name} {label}", d.what, "d", mode), 0))
+        d = CONFIGS["d"]
+        rows.append((Config(f"d-{label}", f"{d.name} {label}", d.what, "d", mode), 0))
     for n in slots:
         for mode in load_modes:
             label = LOAD_MODE_NAMES.get(mode, mode)
             what = f"-ngl 99 --cpu-moe --moe-cache-bytes ({n} slots per MoE layer) --load-mode {mode}"
-            rows.append((eo.Config(f"e{n}-{label}", f"expert-cache {n} slots {label}", what, "e", mode), n))
+            rows.append((Config(f"e{n}-{label}", f"expert-cache {n} slots {label}", what, "e", mode), n))
     return rows
 
 
@@ -74,7 +75,7 @@ def compare(outputs: dict[str, list[str]], reference: str = "a") -> dict[str, li
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", choices=eo.BACKENDS, default="cuda")
+    parser.add_argument("--backend", choices=BACKENDS, default="cuda")
     parser.add_argument("--binary", type=Path, required=True)
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--slots", default="7,32", help="expert-cache slots per MoE layer, comma-separated")
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --binary {args.binary} and --model {args.model} must exist", file=sys.stderr)
         return 2
     try:
-        layout = eo.ExpertLayout.from_index(load_index(args.model))
+        layout = ExpertLayout.from_index(load_index(args.model))
     except GGUFIndexError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     token = secrets.token_hex(16)
     prompts = [make_prompt(i, args.prompt_words) for i in range(args.prompts)]
     rows = plan_rows(args.slot_list, args.mode_list)
-    if not eo.cache_patch_present(args.binary):
+    if not cache_patch_present(args.binary):
         rows = [(c, n) for c, n in rows if c.base != "e"]
     log_dir = args.log_dir or args.out.parent / f"{args.out.stem}-logs"
     supervisor = Supervisor(log_dir)
@@ -134,12 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     interrupted = False
     t_start = time.monotonic()
 
-    def one(row: tuple[eo.Config, int]) -> None:
+    def one(row: tuple[Config, int]) -> None:
         config, n = row
         ns = copy.copy(base)
         ns.e_bytes = n * slot_bytes * len(layout.expert_bytes)
         t0 = time.monotonic()
-        s = eo.start_server(supervisor, args.binary, args.model, config, layout, layout.n_layer, 0, ns, token)
+        s = start_server(supervisor, args.binary, args.model, config, layout, layout.n_layer, 0, ns, token)
         entry = runs[config.key] = {"argv": s.args, "env": s.env, "outputs": [], "decode_tps": []}
         entry["start_seconds"] = round(time.monotonic() - t0, 1)
         t1 = time.monotonic()

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-
-def fmt_num(x: float | None, fmt: str) -> str:
-    return "-" if x is None else format(x, fmt)
+from harness.output import fmt_num
 
 
 def fmt_pct(x: float | None) -> str:

@@ -1,5 +1,6 @@
-"""The pure parts of bench/expert_offload.py: the choice of --n-cpu-moe from the cache budget, the
-host→device bytes derived from routing counts, and its one-line errors. No server, no timing."""
+"""The pure parts of bench/expert_offload.py and its modules (bench/offload_*.py): the choice of --n-cpu-moe
+from the cache budget, the host→device bytes derived from routing counts, and its one-line errors. No server,
+no timing."""
 
 from __future__ import annotations
 
@@ -19,15 +20,22 @@ from tests.benches import load_bench
 EXPERT = 4_866_048  # one ds-v2-lite expert at Q4 (gate + up Q4_K, down Q4_0): 3 x 2048 x 1408 x 4.5 / 8
 
 
+# the modules bench/expert_offload.py is made of, each loaded under its own name
+configs, h2d, tables, device, servers, runs, constants, results, replay = (
+    load_bench(f"offload_{part}")
+    for part in ("configs", "bytes", "tables", "device", "servers", "runs", "constants", "results", "replay")
+)
+
+
 @pytest.fixture(scope="module")
 def bench():
     return load_bench("expert_offload")
 
 
 @pytest.fixture(scope="module")
-def ds_layout(bench):
+def ds_layout():
     """The full ds-v2-lite shape's layout: 27 layers, layer 0 dense, 64 experts of EXPERT bytes."""
-    return bench.ExpertLayout(
+    return configs.ExpertLayout(
         n_layer=27,
         n_expert=64,
         n_expert_used=6,
@@ -37,43 +45,43 @@ def ds_layout(bench):
     )
 
 
-def test_layout_from_a_generated_gguf(bench, tmp_path):
+def test_layout_from_a_generated_gguf(tmp_path):
     path = tmp_path / "ds.gguf"
     write_shape_model(path, get_shape("ds-v2-lite").reduced(3, 8192), progress=False)
-    layout = bench.ExpertLayout.from_index(load_index(path))
+    layout = configs.ExpertLayout.from_index(load_index(path))
     assert (layout.n_layer, layout.n_expert, layout.n_expert_used) == (3, 64, 6)
     assert layout.expert_bytes == {1: EXPERT, 2: EXPERT}
     assert layout.routed_bytes == 2 * 64 * EXPERT
     assert layout.layer_bytes(0) == 0  # the dense layer
 
 
-def test_n_cpu_moe_keeps_the_last_layers_that_fit(bench, ds_layout):
+def test_n_cpu_moe_keeps_the_last_layers_that_fit(ds_layout):
     layer = 64 * EXPERT
-    assert bench.choose_n_cpu_moe(ds_layout, 13 * layer) == (14, 13 * layer)  # layers 14..26 on the device
-    assert bench.choose_n_cpu_moe(ds_layout, 13 * layer - 1) == (15, 12 * layer)  # never over the budget
-    assert bench.choose_n_cpu_moe(ds_layout, layer - 1) == (27, 0)  # nothing fits: --cpu-moe
+    assert configs.choose_n_cpu_moe(ds_layout, 13 * layer) == (14, 13 * layer)  # layers 14..26 on the device
+    assert configs.choose_n_cpu_moe(ds_layout, 13 * layer - 1) == (15, 12 * layer)  # never over the budget
+    assert configs.choose_n_cpu_moe(ds_layout, layer - 1) == (27, 0)  # nothing fits: --cpu-moe
     # every expert fits: the dense layer 0 costs nothing, so N reaches 0 (all on the device)
-    assert bench.choose_n_cpu_moe(ds_layout, 26 * layer) == (0, 26 * layer)
-    with pytest.raises(bench.BenchError):
-        bench.choose_n_cpu_moe(ds_layout, -1)
+    assert configs.choose_n_cpu_moe(ds_layout, 26 * layer) == (0, 26 * layer)
+    with pytest.raises(configs.BenchError):
+        configs.choose_n_cpu_moe(ds_layout, -1)
 
 
-def test_cache_bytes_units(bench, ds_layout):
+def test_cache_bytes_units(ds_layout):
     routed = ds_layout.routed_bytes
-    assert bench.parse_bytes("50%", routed) == routed // 2
-    assert bench.parse_bytes("4GiB", routed) == 4 << 30
-    assert bench.parse_bytes("512M", routed) == 512_000_000
-    assert bench.parse_bytes("1000", routed) == 1000
-    with pytest.raises(bench.BenchError, match="not a size"):
-        bench.parse_bytes("lots", routed)
+    assert configs.parse_bytes("50%", routed) == routed // 2
+    assert configs.parse_bytes("4GiB", routed) == 4 << 30
+    assert configs.parse_bytes("512M", routed) == 512_000_000
+    assert configs.parse_bytes("1000", routed) == 1000
+    with pytest.raises(configs.BenchError, match="not a size"):
+        configs.parse_bytes("lots", routed)
 
 
-def test_host_layers_per_config(bench, ds_layout):
-    c = bench.CONFIGS
-    assert bench.host_expert_layers(c["a"], ds_layout, 14) == []
-    assert bench.host_expert_layers(c["b"], ds_layout, 14) == list(range(1, 27))
-    assert bench.host_expert_layers(c["c"], ds_layout, 14) == list(range(1, 14))
-    assert bench.host_expert_layers(c["d"], ds_layout, 14) == list(range(1, 27))
+def test_host_layers_per_config(ds_layout):
+    c = configs.CONFIGS
+    assert configs.host_expert_layers(c["a"], ds_layout, 14) == []
+    assert configs.host_expert_layers(c["b"], ds_layout, 14) == list(range(1, 27))
+    assert configs.host_expert_layers(c["c"], ds_layout, 14) == list(range(1, 14))
+    assert configs.host_expert_layers(c["d"], ds_layout, 14) == list(range(1, 27))
 
 
 def routing(layers: dict[int, dict[int, int]]) -> dict:
@@ -83,37 +91,37 @@ def routing(layers: dict[int, dict[int, int]]) -> dict:
     return {"n_expert_used": 6, "domains": {"law": half, "untagged": rest}}
 
 
-def test_prompt_step_copies_distinct_experts_of_layers_at_the_offload_batch(bench):
+def test_prompt_step_copies_distinct_experts_of_layers_at_the_offload_batch():
     # a 40-token prompt: layers 1 and 2 see 40 rows (240 selections over 10 and 8 experts), the last
     # layer (3) only the output row (6 experts once each)
     layer1 = {e: 24 for e in range(10)}
     layer2 = {e: 30 for e in range(8)}
     layer3 = {e: 1 for e in range(20, 26)}
-    counts = bench.merge_domains(routing({1: layer1, 2: layer2, 3: layer3}))
+    counts = h2d.merge_domains(routing({1: layer1, 2: layer2, 3: layer3}))
     assert counts[1] == layer1 and counts[3] == layer3
     sizes = {1: 100, 2: 1000, 3: 10_000}
     # default minimum 32: layers 1 and 2 are copied once per distinct expert; the last layer's single
     # row stays on the CPU
-    assert bench.prompt_step_bytes(counts, [1, 2, 3], sizes, 6, 32) == 10 * 100 + 8 * 1000
+    assert h2d.prompt_step_bytes(counts, [1, 2, 3], sizes, 6, 32) == 10 * 100 + 8 * 1000
     # minimum 1: the last layer's 6 experts too
-    assert bench.prompt_step_bytes(counts, [1, 2, 3], sizes, 6, 1) == 10 * 100 + 8 * 1000 + 6 * 10_000
+    assert h2d.prompt_step_bytes(counts, [1, 2, 3], sizes, 6, 1) == 10 * 100 + 8 * 1000 + 6 * 10_000
     # a minimum above the prompt's 40 rows: nothing is copied
-    assert bench.prompt_step_bytes(counts, [1, 2, 3], sizes, 6, 64) == 0
+    assert h2d.prompt_step_bytes(counts, [1, 2, 3], sizes, 6, 64) == 0
     # only the layers whose experts are in host memory count (c with layers 2.. on the device)
-    assert bench.prompt_step_bytes(counts, [1], sizes, 6, 32) == 10 * 100
-    assert bench.prompt_step_bytes(counts, [], sizes, 6, 1) == 0
+    assert h2d.prompt_step_bytes(counts, [1], sizes, 6, 32) == 10 * 100
+    assert h2d.prompt_step_bytes(counts, [], sizes, 6, 1) == 0
 
 
-def test_decode_copies_every_activation_only_with_a_minimum_of_one(bench):
+def test_decode_copies_every_activation_only_with_a_minimum_of_one():
     # 16 single-token steps: 96 selections per layer
-    counts = bench.merge_domains(routing({1: {0: 50, 3: 46}, 2: {e: 12 for e in range(8)}}))
+    counts = h2d.merge_domains(routing({1: {0: 50, 3: 46}, 2: {e: 12 for e in range(8)}}))
     sizes = {1: 100, 2: 1000}
-    assert bench.decode_bytes(counts, [1, 2], sizes, 32) == 0  # stock --cpu-moe: computed on the CPU
-    assert bench.decode_bytes(counts, [1, 2], sizes, 1) == 96 * 100 + 96 * 1000
-    assert bench.decode_bytes(counts, [2], sizes, 1) == 96 * 1000
+    assert h2d.decode_bytes(counts, [1, 2], sizes, 32) == 0  # stock --cpu-moe: computed on the CPU
+    assert h2d.decode_bytes(counts, [1, 2], sizes, 1) == 96 * 100 + 96 * 1000
+    assert h2d.decode_bytes(counts, [2], sizes, 1) == 96 * 1000
 
 
-def test_device_buffers_from_the_server_log(bench):
+def test_device_buffers_from_the_server_log():
     log = "\n".join(
         [
             "load_tensors:      Vulkan0 model buffer size =   512.50 MiB",
@@ -124,16 +132,16 @@ def test_device_buffers_from_the_server_log(bench):
             "sched_reserve:  Vulkan_Host compute buffer size =     4.00 MiB",
         ]
     )
-    sizes = bench.buffer_sizes(log)
+    sizes = device.buffer_sizes(log)
     assert sizes["Vulkan0"] == {"model": 537395200, "KV": 10 << 20, "compute": 100 << 20}
     assert sizes["CPU_Mapped"] == {"model": 1 << 30}
-    assert [n for n in sizes if bench.is_device_buffer(n)] == ["Vulkan0"]
-    assert not bench.is_device_buffer("CUDA_Host") and bench.is_device_buffer("CUDA0")
+    assert [n for n in sizes if device.is_device_buffer(n)] == ["Vulkan0"]
+    assert not device.is_device_buffer("CUDA_Host") and device.is_device_buffer("CUDA0")
 
 
-def test_a_binary_without_the_cache_says_so(bench):
-    rows = {"e": {"config": "expert-cache", "what": "x", "status": bench.NOT_BUILT, "device_expert_bytes": 2e9}}
-    text = bench.table(rows)
+def test_a_binary_without_the_cache_says_so():
+    rows = {"e": {"config": "expert-cache", "what": "x", "status": configs.NOT_BUILT, "device_expert_bytes": 2e9}}
+    text = tables.table(rows)
     assert "no expert cache (the series' NNNN-expert-cache.patch)" in text and "2000.00" in text
 
 
@@ -146,34 +154,34 @@ def test_the_cache_and_the_trace_are_found_by_patch_name_and_build_flags(bench, 
     names = [p.name for p in build_mod.patch_files(build_mod.default_patches_dir())]
     info = tmp_path / "key" / "build-info.json"
     info.write_text(json.dumps({"patches": names, "cmake_flags": ["-DLLAMA_MOE_TEST_HOOKS=ON"]}))
-    assert bench.cache_patch_present(binary) and bench.trace_patch_present(binary)
+    assert configs.cache_patch_present(binary) and bench.trace_patch_present(binary)
     info.write_text(json.dumps({"patches": names, "cmake_flags": ["-DLLAMA_MOE_TEST_HOOKS=OFF"]}))
-    assert bench.cache_patch_present(binary) and not bench.trace_patch_present(binary)
+    assert configs.cache_patch_present(binary) and not bench.trace_patch_present(binary)
     info.write_text(json.dumps({"patches": [n for n in names if not n.endswith("-expert-cache.patch")]}))
-    assert not bench.cache_patch_present(binary)
+    assert not configs.cache_patch_present(binary)
 
 
-def test_the_expert_cache_runs_with_c_s_expert_bytes_and_is_measured(bench, ds_layout):
-    c = bench.CONFIGS
-    assert bench.host_expert_layers(c["e"], ds_layout, 14) == list(range(1, 27))
+def test_the_expert_cache_runs_with_c_s_expert_bytes_and_is_measured(ds_layout):
+    c = configs.CONFIGS
+    assert configs.host_expert_layers(c["e"], ds_layout, 14) == list(range(1, 27))
     # e holds c's expert bytes plus the scheduler's one-layer copy, as d does
-    e_need = bench.device_need(c["e"], ds_layout, 123)
-    assert e_need == bench.device_need(c["d"], ds_layout, 0) + 123
+    e_need = device.device_need(c["e"], ds_layout, 123)
+    assert e_need == device.device_need(c["d"], ds_layout, 0) + 123
     args = SimpleNamespace(ubatch=512, backend="cpu", trace_file=None)
-    extra, _, n, _ = bench.server_plan(c["e"], 14, args)
+    extra, _, n, _ = servers.server_plan(c["e"], 14, args)
     assert "--cpu-moe" in extra and n is None
 
 
-def test_the_cache_counters_come_from_metrics(bench):
+def test_the_cache_counters_come_from_metrics():
     lines = ["# TYPE llamacpp:moe_cache_hits_total counter", "llamacpp:moe_cache_slots 16"]
-    lines += [f"llamacpp:moe_cache_{name}_total {10 * i}" for i, name in enumerate(bench.CACHE_COUNTERS)]
+    lines += [f"llamacpp:moe_cache_{name}_total {10 * i}" for i, name in enumerate(h2d.CACHE_COUNTERS)]
     served = httpx.Client(transport=httpx.MockTransport(lambda _: httpx.Response(200, text="\n".join(lines))))
-    got = bench.cache_counters(served, "http://llama")
-    assert got == {name: 10 * i for i, name in enumerate(bench.CACHE_COUNTERS)}
-    assert bench.counters_delta(got, dict.fromkeys(bench.CACHE_COUNTERS, 5))["hits"] == 10 - 5
+    got = h2d.cache_counters(served, "http://llama")
+    assert got == {name: 10 * i for i, name in enumerate(h2d.CACHE_COUNTERS)}
+    assert h2d.counters_delta(got, dict.fromkeys(h2d.CACHE_COUNTERS, 5))["hits"] == 10 - 5
     bare = httpx.Client(transport=httpx.MockTransport(lambda _: httpx.Response(200, text="llamacpp:other 1")))
-    with pytest.raises(bench.BenchError, match="is the cache on"):
-        bench.cache_counters(bare, "http://llama")
+    with pytest.raises(configs.BenchError, match="is the cache on"):
+        h2d.cache_counters(bare, "http://llama")
 
 
 @pytest.mark.parametrize(
@@ -199,28 +207,28 @@ def test_unknown_backend_is_refused(bench, capsys):
 # -- the GPU check's rows: load modes, the best stock row, -np N, the cost model's constants ---------
 
 
-def test_pinned_and_mmap_variants_add_the_load_mode(bench):
-    c = bench.CONFIGS
+def test_pinned_and_mmap_variants_add_the_load_mode():
+    c = configs.CONFIGS
     args = SimpleNamespace(ubatch=512, backend="cpu", trace_file=None)
     for key, mode in (("bp", "none"), ("cp", "none"), ("dp", "none"), ("ep", "none"), ("em", "mmap")):
-        extra, _, n, min_batch = bench.server_plan(c[key], 14, args)
+        extra, _, n, min_batch = servers.server_plan(c[key], 14, args)
         assert extra[extra.index("--load-mode") + 1] == mode
-        base_extra, _, base_n, base_min = bench.server_plan(c[c[key].base], 14, args)
+        base_extra, _, base_n, base_min = servers.server_plan(c[c[key].base], 14, args)
         assert extra == [*base_extra, "--load-mode", mode] and (n, min_batch) == (base_n, base_min)
     # e itself names no load mode: the engine chooses (pinned when the experts fit in RAM)
-    assert "--load-mode" not in bench.server_plan(c["e"], 14, args)[0]
+    assert "--load-mode" not in servers.server_plan(c["e"], 14, args)[0]
     assert c["el"].policy == "lru" and c["el"].base == "e" and c["el"].load_mode is None
     assert [k for k, x in c.items() if x.stock] == ["b", "bp", "c", "cp", "d", "dp"]
 
 
-def test_concurrent_configs_get_their_own_servers(bench):
-    got = bench.parse_concurrent("cp,e", 4)
+def test_concurrent_configs_get_their_own_servers():
+    got = configs.parse_concurrent("cp,e", 4)
     assert [x.key for x in got] == ["cp-np4", "e-np4"]
-    assert [bench.concurrency(x) for x in got] == [4, 4] and bench.concurrency(bench.CONFIGS["e"]) == 1
+    assert [configs.concurrency(x) for x in got] == [4, 4] and configs.concurrency(configs.CONFIGS["e"]) == 1
     assert got[0].base == "c" and got[0].load_mode == "none"
-    assert bench.parse_concurrent("cp,e", 1) == [] and bench.parse_concurrent("", 4) == []
-    with pytest.raises(bench.BenchError, match="unknown config zz"):
-        bench.parse_concurrent("zz", 4)
+    assert configs.parse_concurrent("cp,e", 1) == [] and configs.parse_concurrent("", 4) == []
+    with pytest.raises(configs.BenchError, match="unknown config zz"):
+        configs.parse_concurrent("zz", 4)
 
 
 def row(base: str, device: int, decode: float, prompt: float) -> dict:
@@ -233,7 +241,7 @@ def row(base: str, device: int, decode: float, prompt: float) -> dict:
     }
 
 
-def test_the_project_default_against_the_best_stock_row_at_equal_device_memory(bench):
+def test_the_project_default_against_the_best_stock_row_at_equal_device_memory():
     rows = {
         "a": row("a", 8_000, 206.0, 2000.0),  # more device memory: never the competitor
         "b": row("b", 0, 52.0, 128.0),
@@ -244,19 +252,19 @@ def test_the_project_default_against_the_best_stock_row_at_equal_device_memory(b
         "e": row("e", 4_000, 111.7, 691.0),
         "e-small": row("e", 1_000, 58.8, 672.0),  # below c's bytes: only b and d count
     }
-    v = bench.versus_best_stock(rows)
+    v = tables.versus_best_stock(rows)
     assert v["e"]["decode"]["best_stock"] == "cp" and v["e"]["decode"]["ratio"] == pytest.approx(111.7 / 95.5)
     assert v["e"]["prompt"]["best_stock"] == "cp" and v["e"]["prompt"]["ratio"] == pytest.approx(691 / 1104)
     assert v["e-small"]["decode"]["best_stock"] == "bp" and v["e-small"]["stock_rows"] == ["b", "bp", "dp"]
     assert v["e-small"]["prompt"]["best_stock"] == "dp"
     assert set(v) == {"e", "e-small"}
-    text = bench.versus_table(v)
+    text = tables.versus_table(v)
     assert "| e | 0.00 | 111.7 | cp 95.5 | **1.17** | 691.0 | cp 1104.0 | **0.63** |" in text
 
 
-def test_constants_derived_from_the_runs(bench, ds_layout):
+def test_constants_derived_from_the_runs(ds_layout):
     rows = {"a": row("a", 0, 200.0, 1.0), "b": row("b", 0, 50.0, 1.0)}
-    got = bench.derived_constants(rows, ds_layout)
+    got = constants.derived_constants(rows, ds_layout)
     per_token = 26 * 6 * EXPERT  # every MoE layer's top-6 experts, read once a token
     assert got["expert_bytes_read_per_token"] == per_token and got["activations_per_token"] == 156
     assert got["gpu_ms_per_token"] == pytest.approx(5.0)
@@ -265,16 +273,16 @@ def test_constants_derived_from_the_runs(bench, ds_layout):
     assert "cpu_expert_bp" not in got
 
 
-def test_the_engine_s_host_memory_line_is_kept(bench):
+def test_the_engine_s_host_memory_line_is_kept():
     log = "load: something\nsrv  init: expert cache: host experts in pinned memory (8.10 GB)\nmore"
-    assert bench.host_experts_line(log) == "srv  init: expert cache: host experts in pinned memory (8.10 GB)"
-    assert bench.host_experts_line("nothing here") is None
+    assert results.host_experts_line(log) == "srv  init: expert cache: host experts in pinned memory (8.10 GB)"
+    assert results.host_experts_line("nothing here") is None
 
 
-def test_concurrent_requests_in_figures(bench):
+def test_concurrent_requests_in_figures():
     one = {"predicted_n": 64, "prompt_n": 30, "predicted_per_second": 60.0}
     timings = [dict(one, predicted_ms=1000.0 + 100 * i) for i in range(4)]  # decoded in one batch
-    got = bench.concurrent_summary({"timings": timings, "wall_s": 2.0, "domains": ["law", "intent"] * 2}, 4)
+    got = runs.concurrent_summary({"timings": timings, "wall_s": 2.0, "domains": ["law", "intent"] * 2}, 4)
     assert got["decode_tokens"] == 256 and got["aggregate_decode_tokens_per_s"] == pytest.approx(256 / 1.3)
     assert got["wall_tokens_per_s"] == pytest.approx(128.0) and got["prompt_tokens"] == 120
 
@@ -305,40 +313,40 @@ def test_concurrent_requests_mix_the_domains_of_sequences_no_run_replays(bench, 
     assert sub.n_seq == 2 and (sub.sequence(0) == ids[8:10]).all() and (sub.sequence(1) == ids[2:4]).all()
 
 
-def test_the_rpc_device_s_buffers_are_device_memory(bench):
+def test_the_rpc_device_s_buffers_are_device_memory():
     log = "load_tensors: RPC0[127.0.0.1:41234] model buffer size =   311.00 MiB\n"
     log += "load_tensors:   CPU_Mapped model buffer size =  1.00 MiB"
-    sizes = bench.buffer_sizes(log)
+    sizes = device.buffer_sizes(log)
     assert sizes["RPC0[127.0.0.1:41234]"] == {"model": 311 << 20}
-    assert [n for n in sizes if bench.is_device_buffer(n)] == ["RPC0[127.0.0.1:41234]"]
+    assert [n for n in sizes if device.is_device_buffer(n)] == ["RPC0[127.0.0.1:41234]"]
 
 
-def test_the_table_leaves_the_concurrent_rows_to_their_own_lines(bench):
+def test_the_table_leaves_the_concurrent_rows_to_their_own_lines():
     rows = {
         "e-np4": {"config": "expert-cache -np 4", "what": "x", "status": "measured", "base": "e", "concurrent": None},
         "cp-np4": {"config": "n-cpu-moe pinned -np 4", "what": "x", "status": "measured", "concurrent": {"x": 1}},
     }
-    assert "np4" not in bench.table(rows)
+    assert "np4" not in tables.table(rows)
 
 
-def test_the_mapped_model_s_copy_rate_is_measured_in_a_child_or_says_why_not(bench, tmp_path, monkeypatch):
+def test_the_mapped_model_s_copy_rate_is_measured_in_a_child_or_says_why_not(tmp_path, monkeypatch):
     model = tmp_path / "m.gguf"
     model.write_bytes(bytes(range(256)) * 4096)  # 1 MiB
-    got = bench.mapped_h2d(model, size=1 << 20)
+    got = constants.mapped_h2d(model, size=1 << 20)
     # without torch or a CUDA device (CI) a reason; on a GPU the rate, from at most `size` bytes of the file
     assert got.get("skipped") or (got["mapped_512MiB_gbps"] > 0 and got["bytes"] == 1 << 20)
     broken = tmp_path / "python"
     broken.write_text("#!/bin/sh\necho 'not json'\necho 'Traceback: boom' >&2\nexit 3\n")
     broken.chmod(0o755)
-    monkeypatch.setattr(bench.sys, "executable", str(broken))
-    assert bench.mapped_h2d(model) == {"skipped": "exit 3: Traceback: boom"}
+    monkeypatch.setattr(constants.sys, "executable", str(broken))
+    assert constants.mapped_h2d(model) == {"skipped": "exit 3: Traceback: boom"}
 
 
-def test_an_access_log_that_differs_from_the_counters_comes_back_compressed(bench, tmp_path):
+def test_an_access_log_that_differs_from_the_counters_comes_back_compressed(tmp_path):
     log = tmp_path / "logs" / "e-access.log"
     log.parent.mkdir()
     log.write_text("1 0 0 - 3 7 9\n1 1 1 - 0 1 2 3 4 5 6 7\n" * 100)
-    kept = bench.keep_access_log(log, tmp_path / "out" / "offload_50.json", "e")
+    kept = replay.keep_access_log(log, tmp_path / "out" / "offload_50.json", "e")
     assert kept == tmp_path / "out" / "offload_50-e-access.log.xz"
     assert lzma.decompress(kept.read_bytes()) == log.read_bytes()
     assert kept.stat().st_size < log.stat().st_size
