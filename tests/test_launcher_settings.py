@@ -54,6 +54,7 @@ from moe_l2_ops.deployment import (
     field_env,
 )
 from moe_l2_ops.supervisor import ServiceSpec
+from tests.compose.checks import install_llama_image_files
 from tests.compose.loading import _BRACED_RE, _VAR_RE, ROOT, interpolate, load_compose_text, merge
 from tests.compose.loading import COMPOSE as COMPOSE_FILE
 from tests.compose.shapes import as_argv, as_dict
@@ -244,17 +245,20 @@ def started_llama(entrypoint: list[str], command: list[str], environment: Mappin
     """llama-server's arguments and environment as llama's entrypoint (a shell, compose's or the Kubernetes
     base's, escapes already undone) starts it in a container with `environment`, and what the shell said; the
     admin token's volume holds a token, as it does once the one-shot (compose) or the Secret (Kubernetes) has
-    written it."""
+    written it; the image's moe-l2-domains is beside the stand-in."""
     with tempfile.TemporaryDirectory() as tmp:
-        stand_in = Path(tmp) / "llama-server"
+        bin_dir = Path(tmp) / "bin"
+        bin_dir.mkdir()
+        install_llama_image_files(bin_dir)
+        stand_in = bin_dir / "llama-server"
         stand_in.write_text(STAND_IN)
         stand_in.chmod(0o755)
         token = Path(tmp) / "admin-token"
         token.write_text("token-from-the-volume")
-        env = {**environment, "MOE_L2_ADMIN_TOKEN_FILE": str(token), "PATH": f"{tmp}:/usr/bin:/bin"}
+        env = {**environment, "MOE_L2_ADMIN_TOKEN_FILE": str(token), "PATH": f"{bin_dir}:/usr/bin:/bin"}
         done = subprocess.run([*entrypoint, *command], env=env, capture_output=True, text=True, timeout=30)
         assert done.returncode == 0, f"llama's entrypoint: {done.stderr.strip()}"
-        started = json.loads((Path(tmp) / "started.json").read_text())
+        started = json.loads((bin_dir / "started.json").read_text())
     return Started(started["argv"], started["env"], done.stderr)
 
 
@@ -697,9 +701,12 @@ def test_the_old_total_still_works_with_a_warning(tmp_path: Path, caplog: pytest
 
 
 @pytest.mark.parametrize("value", ["4k", "-1", ""])
-def test_a_context_that_is_no_number_is_refused(value: str) -> None:
+def test_a_context_that_is_no_number_is_refused(value: str, tmp_path: Path) -> None:
     """llama's entrypoint (compose's, Kubernetes') refuses it in one line before llama-server starts, rather
     than hand it -c 0 (the model's whole context); `moe-l2 up`'s settings refuse it."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    install_llama_image_files(bin_dir)  # the image's moe-l2-domains, which the entrypoint runs first
     compose = interpolate(load_compose_text(COMPOSE_FILE.read_text()))["services"]["llama"]
     container = patched_llama({"MOE_L2_LLAMA_CTX_PER_REQUEST": value})
     variables = declared_env(container)
@@ -708,7 +715,8 @@ def test_a_context_that_is_no_number_is_refused(value: str) -> None:
         ([kubelet_expand(a, variables) for a in [*container["command"], *container["args"]]], variables),
     ):
         # no llama-server on PATH: had the shell gone on to start it, it would say that instead
-        env = {**env, "MOE_L2_LLAMA_CTX_PER_REQUEST": value, "LLAMA_ARG_MOE_ADMIN_TOKEN": "t", "PATH": "/usr/bin:/bin"}
+        path = f"{bin_dir}:/usr/bin:/bin"
+        env = {**env, "MOE_L2_LLAMA_CTX_PER_REQUEST": value, "LLAMA_ARG_MOE_ADMIN_TOKEN": "t", "PATH": path}
         done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30)
         assert done.returncode == 1
         assert done.stderr.splitlines() == [f"MOE_L2_LLAMA_CTX_PER_REQUEST={value}, -np 4: both must be whole numbers"]

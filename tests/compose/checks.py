@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 from moe_l2_contracts.services import PROXY
 from moe_l2_contracts.services import SERVICES as MOE_L2_SERVICES
 from tests.compose.dockerfiles import image_is_pinned
-from tests.compose.loading import variables
+from tests.compose.loading import ROOT, variables
 from tests.compose.shapes import as_argv, as_dict, flag_value, healthcheck_argv, mounts, published_ports
 
 # the one-shot admin-token runs before the others and exits (ONE_SHOT): no port, no healthcheck
@@ -33,6 +34,12 @@ SCRAPED = SERVICES - {"redis"} - ONE_SHOT
 TOKEN_HOLDERS = {"cache-manager", "llama"}
 TOKEN_FILE = "/run/moe-l2/admin-token"
 SERVICE_UID = 10001  # every moe-l2 image's USER
+# What the llama image ships beside llama-server (services/llama/Dockerfile): moe-l2-domains, which lists
+# the taxonomy's domains for llama's entrypoint, and the taxonomy it reads (../share/moe-l2 from itself).
+DOMAINS_SCRIPT = ROOT / "services" / "llama" / "docker" / "moe-l2-domains"
+TAXONOMY_FILE = ROOT / "shared" / "moe_l2_domains" / "data" / "taxonomy.yaml"
+# llama's entrypoint's line that sets them (compose's and the Kubernetes base's, their escapes undone).
+DOMAINS_LINE = 'LLAMA_ARG_MOE_DOMAINS="$(moe-l2-domains)${MOE_L2_EXTRA_DOMAINS:+,$MOE_L2_EXTRA_DOMAINS}"'
 
 
 def check_services(doc: dict[str, Any]) -> None:
@@ -83,12 +90,14 @@ def check_llama_command(doc: dict[str, Any], model_path: str = "/models/model.gg
 
 
 def check_domains(doc: dict[str, Any]) -> None:
-    """llama accepts exactly the domains the Python services accept (moe_l2_contracts.domains)."""
-    from moe_l2_domains.known import known_domains
-
+    """llama accepts exactly the domains the Python services accept (moe_l2_domains.known_domains): its
+    entrypoint takes the taxonomy's from the image (moe-l2-domains) and adds the extra ones, so compose
+    carries no copy of the list (tests/compose/test_domains.py runs it)."""
     services = doc["services"]
-    env = as_dict(services["llama"].get("environment"))
-    assert set(env.get("LLAMA_ARG_MOE_DOMAINS", "").split(",")) == set(known_domains(extra=()))
+    llama = services["llama"]
+    env = as_dict(llama.get("environment"))
+    assert "LLAMA_ARG_MOE_DOMAINS" not in env, "a copy of the taxonomy's domains: llama's entrypoint reads them"
+    assert DOMAINS_LINE in "\n".join(as_argv(llama.get("entrypoint"))), "llama's entrypoint does not set the domains"
     for name in ("proxy", "cache-manager", "llama"):
         assert "MOE_L2_EXTRA_DOMAINS" in as_dict(services[name].get("environment")), f"{name}: no extra domains"
 
@@ -353,13 +362,24 @@ def check_schema(doc: dict[str, Any], schema: dict[str, Any]) -> None:
     assert not errors, "\n".join(f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in errors[:10])
 
 
+def install_llama_image_files(bin_dir: Path) -> None:
+    """What the llama image puts beside llama-server, as it does: moe-l2-domains in `bin_dir` and the taxonomy
+    in `bin_dir`/../share/moe-l2 (tests/compose/test_domains.py checks the Dockerfile's copies)."""
+    shutil.copy(DOMAINS_SCRIPT, bin_dir / "moe-l2-domains")
+    (bin_dir / "moe-l2-domains").chmod(0o755)
+    share = bin_dir.parent / "share" / "moe-l2"
+    share.mkdir(parents=True, exist_ok=True)
+    shutil.copy(TAXONOMY_FILE, share / "taxonomy.yaml")
+
+
 def run_llama_entrypoint(
     llama: dict[str, Any], tmp_path: Path, extra_env: dict[str, str]
 ) -> subprocess.CompletedProcess[str]:
     """llama's entrypoint + command (a compose service's fields), run by a real sh with a stand-in
-    llama-server that prints what it got."""
+    llama-server that prints what it got, beside the llama image's own moe-l2-domains."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
+    install_llama_image_files(bin_dir)
     stand_in = bin_dir / "llama-server"
     stand_in.write_text(
         '#!/bin/sh\necho "token=$LLAMA_ARG_MOE_ADMIN_TOKEN"\necho "domains=$LLAMA_ARG_MOE_DOMAINS"\necho "args=$*"\n'

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from moe_l2_domains.taxonomy import load_default_taxonomy
 from tests.compose.checks import (
     SERVICE_UID,
     TOKEN_HOLDERS,
@@ -173,7 +174,7 @@ def test_llama_entrypoint_reads_the_token(doc: dict[str, Any], raw: dict[str, An
     assert result.returncode == 0, result.stderr
     out = dict(line.split("=", 1) for line in result.stdout.splitlines())
     assert out["token"] == "s3cret-from-the-volume"
-    assert out["domains"] == as_dict(doc["services"]["llama"]["environment"])["LLAMA_ARG_MOE_DOMAINS"]
+    assert out["domains"] == ",".join(sorted(load_default_taxonomy().names)), "not the taxonomy's domains"
     assert out["args"] == " ".join(as_argv(doc["services"]["llama"]["command"])), "arguments lost on the way"
     assert "--alias moe-l2" in out["args"]
 
@@ -184,7 +185,7 @@ def test_llama_entrypoint_reads_the_token(doc: dict[str, Any], raw: dict[str, An
     )
     out = dict(line.split("=", 1) for line in extra.stdout.splitlines())
     assert out["token"] == "the-users", "MOE_L2_ADMIN_TOKEN must win over the file"
-    assert out["domains"].endswith(",legal,medical")
+    assert out["domains"] == ",".join(sorted(load_default_taxonomy().names)) + ",legal,medical"
 
     missing = _run_llama_entrypoint(doc, tmp_path, {"MOE_L2_ADMIN_TOKEN_FILE": str(tmp_path / "nope")})
     assert missing.returncode != 0 and "token=" not in missing.stdout, "llama-server started without a token"

@@ -148,6 +148,8 @@ def test_dockerignore() -> None:
         "services/predictor/moe_l2_predictor/__init__.py",
         "services/cache-manager/moe_l2_cache/__init__.py",
         "services/llama/moe_l2_llama/build.py",
+        "services/llama/docker/moe-l2-domains",
+        "shared/moe_l2_domains/data/taxonomy.yaml",
         "services/llama/patches/0001-ubatch-seqs.patch",
         "requirements/proxy.txt",
         "requirements/cache.txt",

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from moe_l2_domains.taxonomy import load_default_taxonomy
 from tests.compose.checks import (
     PORTS,
     check_admin_token,
@@ -57,6 +58,15 @@ def _edit(*path: str | int, value: Any = _DELETE, without: Any = _DELETE) -> Cal
 
 _GPU = ("deploy", "resources", "reservations", "devices", 0, "capabilities")
 _WRONG_PORT_HEALTHCHECK = ["CMD", "python", "-c", "urlopen('http://localhost:1/healthz')"]
+_TAXONOMY_NAMES = sorted(load_default_taxonomy().names)
+
+
+def _without_domains_line(doc: dict[str, Any]) -> None:
+    """llama's entrypoint as it was: the domains from a variable compose would have to set."""
+    script = doc["services"]["llama"]["entrypoint"]
+    script[2] = script[2].replace("$(moe-l2-domains)", "$LLAMA_ARG_MOE_DOMAINS")
+
+
 _Check = Callable[[dict[str, Any]], None]
 COMPOSE_MUTATIONS: dict[str, tuple[_Check, _Check]] = {
     "version key": (_edit("version", value="3.9"), check_services),
@@ -185,7 +195,11 @@ COMPOSE_MUTATIONS: dict[str, tuple[_Check, _Check]] = {
         _edit("services", "llama", "command", -1, value="/models/model.gguf"),
         check_llama_command,
     ),
-    "llama without domains": (_edit("services", "llama", "environment", "LLAMA_ARG_MOE_DOMAINS"), check_domains),
+    "llama given a copy of the domains": (
+        _edit("services", "llama", "environment", "LLAMA_ARG_MOE_DOMAINS", value=",".join(_TAXONOMY_NAMES)),
+        check_domains,
+    ),
+    "llama's entrypoint without the taxonomy's domains": (_without_domains_line, check_domains),
     "proxy without extra domains": (
         _edit("services", "proxy", "environment", "MOE_L2_EXTRA_DOMAINS"),
         check_domains,

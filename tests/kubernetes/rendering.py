@@ -85,14 +85,16 @@ def port_number(container: Obj, port: int | str) -> int:
 
 def compose_view(objects: list[Obj]) -> dict[str, Any]:
     """The stack's containers as compose services (Kubernetes' command is Docker's entrypoint, its
-    args Docker's command), so that tests/compose's checks of the same facts run on them."""
+    args Docker's command, both as the kubelet expands them, as an interpolated compose file's `$$` is
+    `$`), so that tests/compose's checks of the same facts run on them."""
     services = {}
     for name, (container, _) in containers(objects).items():
-        service: dict[str, Any] = {"image": container["image"], "environment": env(container)}
+        variables = env(container)
+        service: dict[str, Any] = {"image": container["image"], "environment": variables}
         if "command" in container:
-            service["entrypoint"] = container["command"]
+            service["entrypoint"] = [kubelet_expand(a, variables) for a in container["command"]]
         if "args" in container:
-            service["command"] = container["args"]
+            service["command"] = [kubelet_expand(a, variables) for a in container["args"]]
         services[name] = service
     return {"services": services}
 

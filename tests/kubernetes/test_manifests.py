@@ -23,6 +23,7 @@ import pytest
 
 from moe_l2_contracts.domains import EXTRA_DOMAINS_ENV
 from moe_l2_contracts.services import SERVICES as MOE_L2_SERVICES
+from moe_l2_domains.taxonomy import load_default_taxonomy
 from tests.compose.checks import (
     check_cache_manager_env,
     check_domains,
@@ -244,7 +245,7 @@ def test_llama_replicas(target: str) -> None:
 
 def test_llama_entrypoint_reads_the_token(tmp_path: Path) -> None:
     """llama's shell entrypoint as the kubelet hands it to sh: the token from the Secret's file,
-    the extra domains appended, llama-server's arguments intact."""
+    the taxonomy's domains from the image with the extra ones appended, llama-server's arguments intact."""
     if not shutil.which("sh"):
         pytest.skip("no sh")
     container, _ = containers(rendered("gpu"))["llama"]
@@ -260,7 +261,7 @@ def test_llama_entrypoint_reads_the_token(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     out = dict(line.split("=", 1) for line in result.stdout.splitlines())
     assert out["token"] == "from-the-secret"
-    assert out["domains"] == variables["LLAMA_ARG_MOE_DOMAINS"] + ",legal"
+    assert out["domains"] == ",".join(sorted(load_default_taxonomy().names)) + ",legal", "not the taxonomy's"
     assert out["args"] == " ".join(container["args"])
     missing = run_llama_entrypoint(llama, tmp_path, {"MOE_L2_ADMIN_TOKEN_FILE": str(tmp_path / "nope")})
     assert missing.returncode != 0 and "token=" not in missing.stdout, "llama-server started without a token"
