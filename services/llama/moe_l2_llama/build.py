@@ -25,8 +25,11 @@ ccache), progress (the bar and the log lines) and build_cache (the key, the cach
 module runs them in order (build) and is the command line (`moe-l2 build-llama`, main); it re-exports
 the names callers import from moe_l2_llama.build.
 
-Standard library only: the llama image runs this file as a script in a bare CUDA builder stage, with
-its sibling modules next to it.
+Standard library only, as is everything it imports: the llama image runs this file as a script
+(`python3 services/llama/moe_l2_llama/build.py`) in a bare builder stage, with no package installed.
+Run so, it runs itself as the package's module, as `python -m moe_l2_llama.build` would (the
+folder above the package goes on the path), so that every module of the build imports its siblings
+one way only, relatively.
 """
 
 from __future__ import annotations
@@ -41,128 +44,76 @@ import sys
 import time
 from pathlib import Path
 
-try:
-    from . import cuda_toolchain
-    from .build_cache import (
-        BUILD_CACHE_ENV,
-        OLD_BUILD_CACHE_ENV,
-        CachedBuild,
-        _complete,
-        backend_ops_binary,
-        build_key,
-        built_binary,
-        built_with_patch,
-        built_with_test_hooks,
-        cached_binary,
-        cached_builds,
-        cpu_isa,
-        default_cache_dir,
-        rpc_server_binary,
-    )
-    from .build_config import (
-        BACKEND_OPS,
-        BACKEND_OPS_BACKENDS,
-        BACKENDS,
-        BASE_CMAKE_FLAGS,
-        CCACHE_MAX_SIZE,
-        CUDA_ARCHITECTURES,
-        DEFAULT_INDEX,
-        LLAMA_ARCHS,
-        LLAMA_ARCHS_BACKENDS,
-        LLAMA_CPP_COMMIT,
-        LLAMA_CPP_PYTHON_VERSION,
-        RPC_SERVER,
-        SDIST_NAME,
-        SDIST_SHA256,
-        VENDOR_PREFIX,
-        BuildConfig,
-        BuildError,
-    )
-    from .cmake_build import (
-        VULKAN_APT_PACKAGES,
-        VULKAN_BUILD_PACKAGES,
-        ccache_env,
-        check_toolchain,
-        compile_server,
-        cuda_flags,
-        launcher_flags,
-        missing_vulkan_packages,
-        run_logged,
-    )
-    from .locking import file_lock
-    from .patching import apply_patches, default_patches_dir, ggml_patches, patch_files
-    from .progress import Progress, log
-    from .source import (
-        download,
-        export_source,
-        extract_llama_cpp,
-        extract_source,
-        fetch_sdist,
-        pip_download,
-        sdist_url,
-        sha256_file,
-    )
-except ImportError:  # run as a script (the image's builder stage): the modules sit next to this file
-    import cuda_toolchain
-    from build_cache import (
-        BUILD_CACHE_ENV,
-        OLD_BUILD_CACHE_ENV,
-        CachedBuild,
-        _complete,
-        backend_ops_binary,
-        build_key,
-        built_binary,
-        built_with_patch,
-        built_with_test_hooks,
-        cached_binary,
-        cached_builds,
-        cpu_isa,
-        default_cache_dir,
-        rpc_server_binary,
-    )
-    from build_config import (
-        BACKEND_OPS,
-        BACKEND_OPS_BACKENDS,
-        BACKENDS,
-        BASE_CMAKE_FLAGS,
-        CCACHE_MAX_SIZE,
-        CUDA_ARCHITECTURES,
-        DEFAULT_INDEX,
-        LLAMA_ARCHS,
-        LLAMA_ARCHS_BACKENDS,
-        LLAMA_CPP_COMMIT,
-        LLAMA_CPP_PYTHON_VERSION,
-        RPC_SERVER,
-        SDIST_NAME,
-        SDIST_SHA256,
-        VENDOR_PREFIX,
-        BuildConfig,
-        BuildError,
-    )
-    from cmake_build import (
-        VULKAN_APT_PACKAGES,
-        VULKAN_BUILD_PACKAGES,
-        ccache_env,
-        check_toolchain,
-        compile_server,
-        cuda_flags,
-        launcher_flags,
-        missing_vulkan_packages,
-        run_logged,
-    )
-    from locking import file_lock
-    from patching import apply_patches, default_patches_dir, ggml_patches, patch_files
-    from progress import Progress, log
-    from source import (
-        download,
-        export_source,
-        extract_llama_cpp,
-        extract_source,
-        fetch_sdist,
-        pip_download,
-        sdist_url,
-        sha256_file,
-    )
+if __name__ == "__main__" and not __package__:
+    # Run as a script, not as a module of its package: the package's folder, which Python put on the
+    # path, gives way to the folder above it (no module is importable under a second name), and the
+    # package's module runs in place of this one. The package's __init__ imports nothing.
+    _package_dir = Path(__file__).resolve().parent
+    sys.path[:] = [str(_package_dir.parent), *(p for p in sys.path if Path(p or ".").resolve() != _package_dir)]
+    import importlib
+
+    sys.exit(importlib.import_module(f"{_package_dir.name}.build").main())
+
+from . import cuda_toolchain
+from .build_cache import (
+    BUILD_CACHE_ENV,
+    OLD_BUILD_CACHE_ENV,
+    CachedBuild,
+    _complete,
+    backend_ops_binary,
+    build_key,
+    built_binary,
+    built_with_patch,
+    built_with_test_hooks,
+    cached_binary,
+    cached_builds,
+    cpu_isa,
+    default_cache_dir,
+    rpc_server_binary,
+)
+from .build_config import (
+    BACKEND_OPS,
+    BACKEND_OPS_BACKENDS,
+    BACKENDS,
+    BASE_CMAKE_FLAGS,
+    CCACHE_MAX_SIZE,
+    CUDA_ARCHITECTURES,
+    DEFAULT_INDEX,
+    LLAMA_ARCHS,
+    LLAMA_ARCHS_BACKENDS,
+    LLAMA_CPP_COMMIT,
+    LLAMA_CPP_PYTHON_VERSION,
+    RPC_SERVER,
+    SDIST_NAME,
+    SDIST_SHA256,
+    VENDOR_PREFIX,
+    BuildConfig,
+    BuildError,
+)
+from .cmake_build import (
+    VULKAN_APT_PACKAGES,
+    VULKAN_BUILD_PACKAGES,
+    ccache_env,
+    check_toolchain,
+    compile_server,
+    cuda_flags,
+    launcher_flags,
+    missing_vulkan_packages,
+    run_logged,
+)
+from .locking import file_lock
+from .patching import apply_patches, default_patches_dir, ggml_patches, patch_files
+from .progress import Progress, log
+from .source import (
+    download,
+    export_source,
+    extract_llama_cpp,
+    extract_source,
+    fetch_sdist,
+    pip_download,
+    sdist_url,
+    sha256_file,
+)
 
 # what callers import from moe_l2_llama.build, wherever it is defined now
 __all__ = [

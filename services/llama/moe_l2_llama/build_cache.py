@@ -5,7 +5,7 @@ binary, every build with its build-info.json, and what a binary was built with.
 Separate from the build steps: `moe-l2 doctor`, `moe-l2 version`, the backend choice and the tests read
 the cache without building anything.
 
-Standard library only, like build.py: the llama image runs build.py as a script, with this file beside it.
+Standard library only, like build.py: the llama image runs build.py as a script, in a bare builder stage.
 """
 
 from __future__ import annotations
@@ -20,13 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-try:
-    from .build_config import BACKEND_OPS, RPC_SERVER, SDIST_SHA256, BuildConfig
-    from .patching import default_patches_dir, patch_files
-except ImportError:  # run as a script with build.py (the image's builder stage): the modules sit next to this file
-    from build_config import BACKEND_OPS, RPC_SERVER, SDIST_SHA256, BuildConfig
-    from patching import default_patches_dir, patch_files
-
+from .build_config import BACKEND_OPS, RPC_SERVER, SDIST_SHA256, BuildConfig
+from .patching import default_patches_dir, patch_files
 
 BUILD_CACHE_ENV = "MOE_L2_BUILD_CACHE_DIR"
 # its old name, read for one release: MOE_L2_CACHE_* are the cache-manager's settings, which it read like one

@@ -4,7 +4,7 @@ targets, the CMake flags, and BuildConfig, the choice of one build; BuildError, 
 Separate from the steps of a build (source, patching, cmake_build) so that each of them, the cache's key
 (build_cache) and `moe-l2 bump-llama` read one definition of what a build is.
 
-Standard library only, like build.py: the llama image runs build.py as a script, with this file beside it.
+Standard library only, like build.py: the llama image runs build.py as a script, in a bare builder stage.
 """
 
 from __future__ import annotations

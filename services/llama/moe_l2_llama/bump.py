@@ -41,10 +41,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-try:
-    from . import build
-except ImportError:  # run as a script next to build.py
-    import build  # type: ignore[no-redef]
+from . import build
 
 PACKAGE = "llama-cpp-python"
 GIT_IDENTITY = ("-c", "user.name=moe-l2", "-c", "user.email=moe-l2@users.noreply.github.com")

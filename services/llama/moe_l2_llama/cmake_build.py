@@ -5,7 +5,7 @@ flags, and ninja's or make's output turned into a progress bar with the full log
 Separate from the source and the patching: the only step that needs a compiler, and what
 moe_l2_llama.backend asks (check_toolchain) before it picks a GPU build.
 
-Standard library only, like build.py: the llama image runs build.py as a script, with this file beside it.
+Standard library only, like build.py: the llama image runs build.py as a script, in a bare builder stage.
 """
 
 from __future__ import annotations
@@ -18,15 +18,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-try:
-    from . import cuda_toolchain
-    from .build_config import CCACHE_MAX_SIZE, BuildConfig, BuildError
-    from .progress import Progress
-except ImportError:  # run as a script with build.py (the image's builder stage): the modules sit next to this file
-    import cuda_toolchain
-    from build_config import CCACHE_MAX_SIZE, BuildConfig, BuildError
-    from progress import Progress
-
+from . import cuda_toolchain
+from .build_config import CCACHE_MAX_SIZE, BuildConfig, BuildError
+from .progress import Progress
 
 # What the Vulkan backend's CMake needs (find_package(Vulkan COMPONENTS glslc), SPIRV-Headers), by
 # the Debian package that provides it; mesa-vulkan-drivers (llvmpipe) is needed only to run it.

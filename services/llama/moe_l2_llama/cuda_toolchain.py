@@ -8,8 +8,7 @@ moe-l2 cache when the toolkit lacks it, builds a link-only stub of libcuda.so.1,
 image's CUDA builder stage alike. Everything is passed to CMake as -D flags (nothing through the
 environment), so the configure line in build.log shows exactly what was used.
 
-Standard library only, and importable both as `moe_l2_llama.cuda_toolchain` and as a top-level
-module next to build.py (the image runs build.py as a script).
+Standard library only: the image's builder stage runs build.py, which imports it, without site-packages.
 """
 
 from __future__ import annotations
@@ -24,10 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-try:
-    from .locking import file_lock
-except ImportError:  # run as a script next to build.py (the image's builder stage)
-    from locking import file_lock
+from .locking import file_lock
 
 # cuBLAS for CUDA 13 from PyPI: headers plus libcublas.so.13 and libcublasLt.so.13.
 CUBLAS_PACKAGE = "nvidia-cublas"

@@ -1,8 +1,8 @@
 """One process at a time on a shared cache entry (a llama build, cuBLAS, the libcuda stub).
 
 Parallel callers (test workers, `moe-l2 up` twice, two builds of different keys preparing the same
-toolchain) wait for the first and then find its result. Standard library only, importable as
-`moe_l2_llama.locking` and as a top-level module next to build.py (the image runs it as a script).
+toolchain) wait for the first and then find its result. Standard library only (the image's builder
+stage runs build.py, which imports it, without site-packages).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ applying them to a fresh source tree (git apply, or patch where git is absent).
 
 Separate from the source and the compile: the series changes with every engine feature, the pin rarely.
 
-Standard library only, like build.py: the llama image runs build.py as a script, with this file beside it.
+Standard library only, like build.py: the llama image runs build.py as a script, in a bare builder stage.
 """
 
 from __future__ import annotations
@@ -16,12 +16,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-try:
-    from .build_config import LLAMA_CPP_COMMIT, BuildError
-    from .progress import log
-except ImportError:  # run as a script with build.py (the image's builder stage): the modules sit next to this file
-    from build_config import LLAMA_CPP_COMMIT, BuildError
-    from progress import log
+from .build_config import LLAMA_CPP_COMMIT, BuildError
+from .progress import log
 
 
 def default_patches_dir() -> Path:

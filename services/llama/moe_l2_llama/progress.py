@@ -3,7 +3,7 @@ and the `[build-llama]` log lines.
 
 Separate so that the download (source), the compile (cmake_build) and `moe-l2 bump-llama` report alike.
 
-Standard library only, like build.py: the llama image runs build.py as a script, with this file beside it.
+Standard library only, like build.py: the llama image runs build.py as a script, in a bare builder stage.
 """
 
 from __future__ import annotations

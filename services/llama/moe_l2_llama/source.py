@@ -5,7 +5,7 @@ MOE_L2_LLAMA_SDIST), verified by its sha256 and extracted, or the trimmed archiv
 Separate from the patching and the compile: everything here runs before the first patch, and only here
 does the build reach the network.
 
-Standard library only, like build.py: the llama image runs build.py as a script, with this file beside it.
+Standard library only, like build.py: the llama image runs build.py as a script, in a bare builder stage.
 """
 
 from __future__ import annotations
@@ -20,30 +20,17 @@ import tarfile
 import urllib.request
 from pathlib import Path
 
-try:
-    from . import source_archive
-    from .build_config import (
-        DEFAULT_INDEX,
-        LLAMA_CPP_COMMIT,
-        LLAMA_CPP_PYTHON_VERSION,
-        SDIST_NAME,
-        SDIST_SHA256,
-        VENDOR_PREFIX,
-        BuildError,
-    )
-    from .progress import Progress, log
-except ImportError:  # run as a script with build.py (the image's builder stage): the modules sit next to this file
-    import source_archive
-    from build_config import (
-        DEFAULT_INDEX,
-        LLAMA_CPP_COMMIT,
-        LLAMA_CPP_PYTHON_VERSION,
-        SDIST_NAME,
-        SDIST_SHA256,
-        VENDOR_PREFIX,
-        BuildError,
-    )
-    from progress import Progress, log
+from . import source_archive
+from .build_config import (
+    DEFAULT_INDEX,
+    LLAMA_CPP_COMMIT,
+    LLAMA_CPP_PYTHON_VERSION,
+    SDIST_NAME,
+    SDIST_SHA256,
+    VENDOR_PREFIX,
+    BuildError,
+)
+from .progress import Progress, log
 
 
 def sha256_file(path: Path) -> str:

@@ -11,7 +11,7 @@ against the manifest, and every manifest entry must be present: a trimmed archiv
 files of the genuine sdist or nothing. The pin is a function of the pinned sdist and TRIMMED_DIRS;
 tests/test_source_archive.py trims the genuine sdist and checks it.
 
-Standard library only, like build.py (the image's builder stage runs both as scripts).
+Standard library only, like build.py: the llama image runs build.py as a script, in a bare builder stage.
 """
 
 from __future__ import annotations
