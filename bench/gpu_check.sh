@@ -353,7 +353,7 @@ run_budget() {  # run_budget SHARE CAP: one expert_offload run; the first budget
   name=$(echo "$share" | tr -d '%' | cut -d. -f1)
   if [ "$i" -eq 0 ]; then
     # e is the cache with --moe-cache-cpu-misses auto; ea the project's default, --moe-cache-bytes auto at the
-    # same bytes (whole layers and the cache, patch 0016); eo: e's misses all copied, ec: all on the CPU.
+    # same bytes (whole layers and the cache, patch 0020); eo: e's misses all copied, ec: all on the CPU.
     # Not by default (time): ecm (the mapping's misses on the CPU), el (lru) after the first budget,
     # d (mmap'd copies, never the best), ep (e pins by itself now),
     # ed (the mapping without the ring) and en (one queue), both measured on 2026-12-04, er (pinned refused: its

@@ -94,7 +94,7 @@ def cpu_facts() -> dict:
 
 def meminfo() -> dict[str, int]:
     """MemTotal and MemAvailable in bytes: the engine pins the experts only when the model and a margin fit
-    in MemAvailable (patch 0014), and a lent machine's memory may start small and grow as it is used."""
+    in MemAvailable (patch 0018), and a lent machine's memory may start small and grow as it is used."""
     figures = {key: meminfo_bytes(key) for key in ("MemTotal", "MemAvailable")}
     return {key: value for key, value in figures.items() if value}
 

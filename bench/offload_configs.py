@@ -63,7 +63,7 @@ CONFIGS: dict[str, Config] = {
             "ea",
             "expert-cache auto",
             "e with --moe-cache-bytes auto:(the same bytes): the engine splits them between whole layers on the "
-            "device and the cache (patch 0016; compose's default)",
+            "device and the cache (patch 0020; compose's default)",
             "e",
             auto=True,
         ),
@@ -71,7 +71,7 @@ CONFIGS: dict[str, Config] = {
             "eh",
             "expert-cache prompt not ahead",
             "e with --moe-cache-prompt-ahead off: each prompt tensor's misses copied before it computes, the two "
-            "buffers of the copies ahead (patch 0017) back in the cache's slots",
+            "buffers of the copies ahead (patch 0021) back in the cache's slots",
             "e",
             args=("--moe-cache-prompt-ahead", "off"),
         ),
@@ -94,7 +94,7 @@ CONFIGS: dict[str, Config] = {
         Config(
             "eo",
             "expert-cache misses copied",
-            "e with --moe-cache-cpu-misses off: every miss copied before the device computes it (0013-0014 alone)",
+            "e with --moe-cache-cpu-misses off: every miss copied before the device computes it (0017-0018 alone)",
             "e",
             args=("--moe-cache-cpu-misses", "off"),
         ),
@@ -238,7 +238,7 @@ def auto_host_layers(log: str, moe_layers: list[int]) -> list[int]:
     --n-cpu-moe leaves them (none when every expert fits)."""
     found = AUTO_LINE.search(log)
     if not found:
-        raise BenchError("--moe-cache-bytes auto logged no choice (a build without patch 0016?)")
+        raise BenchError("--moe-cache-bytes auto logged no choice (a build without patch 0020?)")
     if found[1] is None:
         return []
     return moe_layers[: int(found[2]) - int(found[1])]

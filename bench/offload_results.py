@@ -75,12 +75,12 @@ def summarize(s: Server, base: Server, log_text: str) -> dict:
 
 HOST_EXPERTS_LOG = "expert cache: host experts"  # the engine's one line saying where it keeps the experts
 MISSES_FROM_LOG = "expert cache: misses are copied from"  # the cache's line: pinned, or pageable and why
-PROMPT_AHEAD_LOG = "a prompt's misses copied one expert tensor ahead"  # patch 0017 on
-NO_PROMPT_AHEAD_LOG = "no copies one tensor ahead for prompts"  # patch 0017 off, and why
+PROMPT_AHEAD_LOG = "a prompt's misses copied one expert tensor ahead"  # patch 0021 on
+NO_PROMPT_AHEAD_LOG = "no copies one tensor ahead for prompts"  # patch 0021 off, and why
 
 
 def prompt_ahead_line(log_text: str) -> str | None:
-    """The engine's line saying whether a prompt's copies run one expert tensor ahead (patch 0017), and why
+    """The engine's line saying whether a prompt's copies run one expert tensor ahead (patch 0021), and why
     not, if any."""
     found = [line.strip() for line in log_text.splitlines() if PROMPT_AHEAD_LOG in line or NO_PROMPT_AHEAD_LOG in line]
     return " | ".join(found) or None

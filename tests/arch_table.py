@@ -19,7 +19,7 @@ from tests.test_llama_archs import ARCHS, LEFT_OUT, MECHANISMS, N_EXPERT, N_USED
 HEADER = f"""# Supported architectures
 
 Written by `python -m tests.arch_table` from a run of `tests/test_llama_archs.py` (issue 43): upstream's
-random model of every MoE architecture the pinned llama.cpp knows (`test-llama-archs -o`, patch 0026),
+random model of every MoE architecture the pinned llama.cpp knows (`test-llama-archs -o`, patch 0036),
 {N_EXPERT} experts and {N_USED} per token, its experts in host memory, on the RPC device. Each mechanism's
 greedy tokens and their log-probabilities must be the cache-off run's:
 

@@ -1,8 +1,8 @@
-"""Upstream's test-backend-ops on the scheduler's expert cache hook (patch 0025, docs/llama-fork.md).
+"""Upstream's test-backend-ops on the scheduler's expert cache hook (patch 0035, docs/llama-fork.md).
 
 test-backend-ops compares each op of a backend with the CPU's one node at a time, never through
 ggml_backend_sched, so the hook of patch 0004 (ggml_backend_sched_set_expert_cache) is not on its path.
-Patch 0025's `--expert-cache` puts it there: each MUL_MAT_ID case keeps its experts in a host buffer and
+Patch 0035's `--expert-cache` puts it there: each MUL_MAT_ID case keeps its experts in a host buffer and
 runs through a scheduler of [device, CPU] with a test cache installed (fewer slots than experts, slots
 handed out from the last one down so that no mapping is the identity, LRU eviction, the missing experts
 copied on the device), three batches of ids per case (misses, then hits and evictions), each compared
@@ -25,7 +25,7 @@ subset covers the hook's paths, on the expert types of the models the tests run:
 - experts strided by 64 rows of which 8 are used (upstream's `m_v` cases), F32 and F16: a slot is not a
   copy of the host stride.
 Measured on this 2-core machine (2026-12-06): the CPU runs in about 2 s, llvmpipe in about 8 s. The same
-cases run on the RPC device too (patch 0025's `--rpc`: the device `RPC0` of a ggml-rpc-server), the twins
+cases run on the RPC device too (patch 0035's `--rpc`: the device `RPC0` of a ggml-rpc-server), the twins
 of the llvmpipe ones (tests/ci_policy.py): where llvmpipe faults and those skip, the hook's paths still
 run through a device's scheduler.
 
@@ -86,7 +86,7 @@ TYPE_FILL_CASES = (
     *(_case(t, 8, 2, 512, 32, 256) for t in ("mxfp4", "q8_0", "iq2_xxs")),
     *(_case(t, 4, 2, 512, 32, 256) for t in ("q6_K", "q2_K")),
 )
-BATCHES = 3  # batches of ids per case through one cache (patch 0025)
+BATCHES = 3  # batches of ids per case through one cache (patch 0035)
 CASE_TIMEOUT_S = 600  # a case on a cold shader cache compiles its pipelines first (tests/llvmpipe_probe.py)
 
 _SUMMARY_RE = re.compile(r"^\s*(\d+)/(\d+) tests passed$", re.MULTILINE)
@@ -196,7 +196,7 @@ class DeviceOps:
 
 @pytest.fixture
 def device_ops(device: EngineDevice) -> DeviceOps:
-    """On llvmpipe: the environment that finds it (LP_NUM_THREADS=1 too). On the RPC device: patch 0025's
+    """On llvmpipe: the environment that finds it (LP_NUM_THREADS=1 too). On the RPC device: patch 0035's
     --rpc, which adds the ggml-rpc-server's device as RPC0, as llama-server's --rpc does."""
     if isinstance(device, RpcDevice):
         return DeviceOps(backend_ops(device.binary), "RPC0", ("--rpc", device.endpoint), {})

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -250,23 +251,33 @@ SERIES = [
     "0007-keep-moe-selection.patch",
     "0008-moe-willneed.patch",
     "0009-expert-cache.patch",
-    "0010-expert-cache-profile.patch",
-    "0011-expert-cache-copy-stream.patch",
-    "0012-expert-cache-preload.patch",
-    "0013-expert-cache-prefill.patch",
-    "0014-expert-cache-host-memory.patch",
-    "0015-expert-cache-cpu-misses.patch",
-    "0016-expert-cache-auto.patch",
-    "0017-expert-cache-prompt-ahead.patch",
-    "0018-routing-telemetry.patch",
-    "0019-hot-set.patch",
-    "0020-domain-tags.patch",
-    "0021-admin-token.patch",
-    "0022-server-expert-cache.patch",
-    "0023-server-moe-transitions.patch",
-    "0024-route-trace.patch",
-    "0025-test-backend-ops-expert-cache.patch",
-    "0026-test-llama-archs-experts.patch",
+    "0010-expert-cache-renormalised-score.patch",
+    "0011-expert-cache-profile.patch",
+    "0012-expert-cache-prefetch.patch",
+    "0013-expert-cache-domain-stats.patch",
+    "0014-expert-cache-queries.patch",
+    "0015-expert-cache-copy-stream.patch",
+    "0016-expert-cache-preload.patch",
+    "0017-expert-cache-prefill.patch",
+    "0018-expert-cache-host-memory.patch",
+    "0019-expert-cache-cpu-misses.patch",
+    "0020-expert-cache-auto.patch",
+    "0021-expert-cache-prompt-ahead.patch",
+    "0022-routing-telemetry.patch",
+    "0023-hot-set.patch",
+    "0024-domain-tags.patch",
+    "0025-admin-token.patch",
+    "0026-server-draft-no-expert-cache.patch",
+    "0027-server-expert-cache-domain.patch",
+    "0028-server-expert-cache-metrics.patch",
+    "0029-server-expert-cache-profile.patch",
+    "0030-server-expert-cache-get.patch",
+    "0031-server-hot-set-preload.patch",
+    "0032-server-moe-transitions.patch",
+    "0033-server-shutdown-drain.patch",
+    "0034-route-trace.patch",
+    "0035-test-backend-ops-expert-cache.patch",
+    "0036-test-llama-archs-experts.patch",
 ]
 
 
@@ -274,6 +285,80 @@ def test_patch_series_applies_in_order() -> None:
     names = [p.name for p in build_mod.patch_files(build_mod.default_patches_dir())]
     assert names == sorted(names)
     assert names == SERIES
+
+
+# Issue 47 split the two patches of several concerns into one patch per concern, the series renumbered around them
+# (0010 -> 0010-0014, 0011-0021 -> 0015-0025, 0022 -> 0026-0031, 0023-0026 -> 0032-0035; the server's
+# shutdown drain, new, then came in as 0033, the test-only patches after it). Each group of split
+# patches does what the one patch did: the files it touches are, before the group and after it, what they were
+# before and after the old patch in the 26-patch series (old 0001-0009 and 0001-0010, old 0001-0021 and 0001-0022
+# applied to the pinned source), by the digest (tree_digest) recorded here. So no hunk moved out of a group, into
+# a patch before or after it, and none moved in; with the final tree's manifest (below), the old and the new series
+# differ only where one patch ends and the next begins. A later edit of a patch up to a group's end that changes
+# those files changes the digests too: record them anew, on purpose, as for the manifest.
+class Split(NamedTuple):
+    old: str  # the patch of the 26-patch series the group split
+    files: tuple[str, ...]  # what it touched
+    before: str  # tree_digest of those files before it
+    after: str  # and after it
+
+
+SPLIT_GROUPS = {
+    ("0010-expert-cache-renormalised-score.patch", "0014-expert-cache-queries.patch"): Split(
+        "0010-expert-cache-profile.patch",
+        (
+            "common/arg.cpp",
+            "include/llama.h",
+            "src/llama-context.cpp",
+            "src/llama-context.h",
+            "src/llama-moe-cache.cpp",
+            "src/llama-moe-cache.h",
+        ),
+        "a398ac91d95d32f28b1e3aecb936ded87ed8a1e3012a5a6c7f224c5d6f563f45",
+        "fdbc837863d4127b72c2e8c2720884b7e2cc644acc14d655145f1d993a44f5b1",
+    ),
+    ("0026-server-draft-no-expert-cache.patch", "0031-server-hot-set-preload.patch"): Split(
+        "0022-server-expert-cache.patch",
+        (
+            "tools/server/server-context.cpp",
+            "tools/server/server-context.h",
+            "tools/server/server-moe.cpp",
+            "tools/server/server-moe.h",
+            "tools/server/server.cpp",
+        ),
+        "5aa7ff780dda09e9cbd52f5ed2eaf2c4960d034295bf48da4756fcd307260f43",
+        "03ffd877096a4dd80eda36c3d1ec2a61b7b274ae1656e4396d4d2c29f2388d2c",
+    ),
+}
+
+
+def tree_digest(src: Path, paths: set[str]) -> str:
+    """sha256 over `path NUL sha256(content)` lines of `paths` in src, sorted (an absent file hashes as empty)."""
+    digest = build_mod.hashlib.sha256()
+    for path in sorted(paths):
+        data = (src / path).read_bytes() if (src / path).is_file() else b""
+        digest.update(f"{path}\0{build_mod.hashlib.sha256(data).hexdigest()}\n".encode())
+    return digest.hexdigest()
+
+
+@pytest.mark.llama
+def test_the_split_patches_do_what_the_patches_they_split_did(tmp_path: Path) -> None:
+    """The series applied to the pinned source, one patch at a time: the files each group of split patches touches
+    are, before the group and after it, what they were before and after the old patch it split."""
+    patches = build_mod.patch_files(build_mod.default_patches_dir())
+    names = [p.name for p in patches]
+    src = tmp_path / "src"
+    extract_files(src, set().union(*(touched_paths(p) for p in patches)))
+    done = 0
+    for (first, last), split in SPLIT_GROUPS.items():
+        start, end = names.index(first), names.index(last) + 1
+        files = set().union(*(touched_paths(p) for p in patches[start:end]))
+        assert sorted(files) == list(split.files), f"{first}-{last} touch {sorted(files)}, not what {split.old} did"
+        build_mod.apply_patches(src, patches[done:start])
+        assert tree_digest(src, files) == split.before, f"before {first}, its files are not those before {split.old}"
+        build_mod.apply_patches(src, patches[start:end])
+        assert tree_digest(src, files) == split.after, f"the series up to {last} no longer makes what {split.old} made"
+        done = end
 
 
 # The tree the series makes: sha256 of every file it touches, recorded from the series of 2026-12-06 before
@@ -382,7 +467,7 @@ def test_the_tree_check_catches_a_change_outside_the_moves(tmp_path: Path) -> No
 def test_the_test_hooks_are_asked_for_and_never_in_a_serving_build(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """The route trace (patch 0024) is built with -DLLAMA_MOE_TEST_HOOKS=ON only where asked for
+    """The route trace (patch 0034) is built with -DLLAMA_MOE_TEST_HOOKS=ON only where asked for
     (BuildConfig(test_hooks=True), `--test-hooks`: the tests, `make check-cuda`, the trace-replaying benchmarks);
     BuildConfig's default and `moe-l2 build-llama`'s, with or without --portable, is the serving build."""
     assert "-DLLAMA_MOE_TEST_HOOKS=OFF" in build_mod.BuildConfig().cmake_flags()
@@ -392,7 +477,7 @@ def test_the_test_hooks_are_asked_for_and_never_in_a_serving_build(
     for args in ([], ["--portable"], ["--portable", "--test-hooks"], ["--test-hooks"], ["--no-test-hooks"]):
         assert build_mod.main(args) == 0
     assert [c.test_hooks for c in built] == [False, False, True, True, False]
-    cmake = added_lines(build_mod.default_patches_dir() / "0024-route-trace.patch")["CMakeLists.txt"]
+    cmake = added_lines(build_mod.default_patches_dir() / "0034-route-trace.patch")["CMakeLists.txt"]
     option = [line for line in cmake if "option(" in line]
     assert len(option) == 1 and option[0].startswith("option(LLAMA_MOE_TEST_HOOKS ") and option[0].endswith(" OFF)")
 
@@ -448,7 +533,7 @@ def test_the_gpu_check_builds_with_the_test_hooks() -> None:
 
 
 def test_test_backend_ops_is_built_where_it_runs_and_never_in_images() -> None:
-    """Upstream's test-backend-ops (patch 0025's --expert-cache, tests/test_backend_ops.py) is configured in every
+    """Upstream's test-backend-ops (patch 0035's --expert-cache, tests/test_backend_ops.py) is configured in every
     test build and built in the CPU, Vulkan and RPC ones, where it runs; a build without the test hooks (the default:
     `moe-l2 up`'s, the images') keeps upstream's tests off, its flags and its targets as they were."""
     for backend in build_mod.BACKENDS:
@@ -493,7 +578,7 @@ def added_lines(patch: Path) -> dict[str, list[str]]:
 
 
 def test_the_libllama_changes_of_the_telemetry_are_patches_of_their_own() -> None:
-    # 0006 and 0007 change libllama for any caller, 0018 is the server's use of them (and its flag, common's):
+    # 0006 and 0007 change libllama for any caller, 0022 is the server's use of them (and its flag, common's):
     # each reviewable alone
     patches = {p.name: added_lines(p) for p in build_mod.patch_files(build_mod.default_patches_dir())}
     assert set(patches["0006-ubatch-seqs.patch"]) == {"include/llama.h", "src/llama-context.cpp", "src/llama-context.h"}
@@ -506,13 +591,13 @@ def test_the_libllama_changes_of_the_telemetry_are_patches_of_their_own() -> Non
     }
     assert all(
         path.startswith("tools/server/") or path in {"common/arg.cpp", "common/common.h"}
-        for path in patches["0018-routing-telemetry.patch"]
+        for path in patches["0022-routing-telemetry.patch"]
     )
 
 
 def test_the_server_takes_flags_not_variables() -> None:
     """Issue 47: the server's options are common/arg.cpp flags with LLAMA_ARG_* variables, as upstream's and the
-    engine's; the server reads the environment only for the test-only route trace (0024) and, for one release,
+    engine's; the server reads the environment only for the test-only route trace (0034) and, for one release,
     for the LLAMA_MOE_* variables it read before, each in one table with the variable and the flag it maps to."""
     getenv: dict[str, list[str]] = {}
     deprecated: dict[str, list[str]] = {}
@@ -528,21 +613,21 @@ def test_the_server_takes_flags_not_variables() -> None:
                 if path == "common/arg.cpp" and flag:
                     flags.setdefault(patch.name[:4], []).append(flag[1])
     assert getenv == {
-        "0018": ["const char * val = std::getenv(var.name);", "if (std::getenv(var.arg_env) == nullptr) {"],
-        "0024": ['const char * val = std::getenv("LLAMA_MOE_ROUTE_TRACE");'] * 2,
+        "0022": ["const char * val = std::getenv(var.name);", "if (std::getenv(var.arg_env) == nullptr) {"],
+        "0034": ['const char * val = std::getenv("LLAMA_MOE_ROUTE_TRACE");'] * 2,
     }
     assert deprecated == {
-        "0018": ["LLAMA_MOE_TELEMETRY LLAMA_ARG_MOE_TELEMETRY"],
-        "0020": ["LLAMA_MOE_DOMAINS LLAMA_ARG_MOE_DOMAINS", "LLAMA_MOE_MAX_DOMAINS LLAMA_ARG_MOE_MAX_DOMAINS"],
-        "0021": ["LLAMA_MOE_ADMIN_TOKEN LLAMA_ARG_MOE_ADMIN_TOKEN"],
-        "0023": ["LLAMA_MOE_TRANSITIONS LLAMA_ARG_MOE_TRANSITIONS"],
+        "0022": ["LLAMA_MOE_TELEMETRY LLAMA_ARG_MOE_TELEMETRY"],
+        "0024": ["LLAMA_MOE_DOMAINS LLAMA_ARG_MOE_DOMAINS", "LLAMA_MOE_MAX_DOMAINS LLAMA_ARG_MOE_MAX_DOMAINS"],
+        "0025": ["LLAMA_MOE_ADMIN_TOKEN LLAMA_ARG_MOE_ADMIN_TOKEN"],
+        "0032": ["LLAMA_MOE_TRANSITIONS LLAMA_ARG_MOE_TRANSITIONS"],
     }
     assert flags == {
         "0008": ["LLAMA_ARG_MOE_WILLNEED"],
-        "0018": ["LLAMA_ARG_MOE_TELEMETRY"],
-        "0020": ["LLAMA_ARG_MOE_DOMAINS", "LLAMA_ARG_MOE_MAX_DOMAINS"],
-        "0021": ["LLAMA_ARG_MOE_ADMIN_TOKEN", "LLAMA_ARG_MOE_ADMIN_TOKEN_FILE"],
-        "0023": ["LLAMA_ARG_MOE_TRANSITIONS"],
+        "0022": ["LLAMA_ARG_MOE_TELEMETRY"],
+        "0024": ["LLAMA_ARG_MOE_DOMAINS", "LLAMA_ARG_MOE_MAX_DOMAINS"],
+        "0025": ["LLAMA_ARG_MOE_ADMIN_TOKEN", "LLAMA_ARG_MOE_ADMIN_TOKEN_FILE"],
+        "0032": ["LLAMA_ARG_MOE_TRANSITIONS"],
     }
 
 

@@ -1,11 +1,11 @@
-"""The expert cache in llama-server (patches 0004, 0009-0015 and 0022-0023, `--moe-cache-bytes`), on a device.
+"""The expert cache in llama-server (patches 0004, 0009-0019 and 0026-0032, `--moe-cache-bytes`), on a device.
 
 Which device, and why it proves the claim (docs/test-bed.md, "The RPC device"):
 - Every test runs on the **RPC device**: the RPC build's llama-server with `--rpc` to one
   ggml-rpc-server (CPU backend) for the session. llama.cpp's scheduler treats it as a GPU: the layers
   of `-ngl 99` go there, `--cpu-moe` keeps the experts in host memory, the cache's slabs are allocated
   in its memory, the expert ids are remapped to slots and the misses copied there, over the socket, as
-  they would be over PCIe; its device has events, so the prefetch gets its second backend (patch 0011)
+  they would be over PCIe; its device has events, so the prefetch gets its second backend (patch 0015)
   as on a GPU. So the cache's remap, slots, policy, preloads, prefetch and counters run their real
   code, and a token that differs from the cache-off run on the same device is a fault of the cache.
   The device computes with the CPU backend's kernels: no Mesa fault is in the way (lavapipe faults on
@@ -90,7 +90,7 @@ def budget(slots: int) -> str:
     return str(slots * EXPERT_BYTES * N_MOE)
 
 
-# the two buffers of a prompt's copies one expert tensor ahead (patch 0017): twice the largest expert tensor
+# the two buffers of a prompt's copies one expert tensor ahead (patch 0021): twice the largest expert tensor
 AHEAD_BYTES = 2 * max(t.nbytes for t in tensor_plan(SHAPE) if t.role == "expert")
 
 
@@ -247,7 +247,7 @@ def test_64_tokens_under_the_esft_trace_equal_the_cache_off(
     other sequences of the same task: the tokens equal the cache-off run's. On both devices: on
     llvmpipe the slots, copies and the second backend's events are ggml-vulkan's own (a GPU backend's
     buffers and queues), with a 25-token prompt and one-row decode steps, clear of lavapipe's fault.
-    With the prompt's copies one expert tensor ahead forced on (patch 0017), on that second backend too."""
+    With the prompt's copies one expert tensor ahead forced on (patch 0021), on that second backend too."""
     model = models["ds-v2-lite"]
     law = from_esft_npz(ESFT_NPZ, tasks=["law"], seqs=slice(0, 30), layers=N_MOE)
     trace = tmp_path / "law.trace"

@@ -1,4 +1,4 @@
-"""Where the expert cache's copies come from (patches 0004, 0013-0014, 0017): a prompt through the cache, its
+"""Where the expert cache's copies come from (patches 0004, 0017-0018, 0021): a prompt through the cache, its
 copies one expert tensor ahead, the staging ring for a mapped model, and the choice of pinned host memory.
 
 Which device, and why it proves the claim:
@@ -6,7 +6,7 @@ Which device, and why it proves the claim:
   as a GPU, so the cache fills the scheduler's full-size copy of a layer's experts from its slots and
   from host memory there, with the same code a GPU runs; a slot copied to the wrong expert, or a miss
   copied from the wrong offset, changes the tokens against the cache-off run of the same device.
-  The copies ahead (0017) run there as on a GPU: the RPC device has events, so they go to a second
+  The copies ahead (0021) run there as on a GPU: the RPC device has events, so they go to a second
   backend of the device behind an event the compute waits for, into the same two buffers and through
   the same fills. The reduced shape's buffers are more than an eighth of any budget, so the tests force
   them on (`--moe-cache-prompt-ahead on`); what they overlap is the GPU check's to measure.

@@ -1,5 +1,5 @@
 """The expert cache's decode misses computed on the CPU while the device computes the hits (patches 0005
-and 0015, `--moe-cache-cpu-misses`).
+and 0019, `--moe-cache-cpu-misses`).
 
 Which device, and why it proves the claim:
 - The **RPC device** (tests/conftest.py) is a device to the scheduler, like a GPU: the graph reads a

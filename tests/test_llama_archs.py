@@ -1,7 +1,7 @@
 """Every MoE architecture llama.cpp knows, through the expert cache (issue 43), on the RPC device.
 
 The pinned tree's `tests/test-llama-archs.cpp` builds a random-weight model of every architecture it
-supports; patch 0026 gives it the expert count and top-k (upstream hard-codes 2 of 2, which leave a cache
+supports; patch 0036 gives it the expert count and top-k (upstream hard-codes 2 of 2, which leave a cache
 no room), and `-o` writes the models as GGUF files. Each MoE model here has 16 experts, 4 per token, and
 runs on llama-server's RPC device (tests/conftest.py) with its experts in host memory (`--cpu-moe`):
 first without a cache (the reference), then through the expert cache at 5 of 16 slots per layer, once
@@ -490,7 +490,7 @@ def test_a_dense_model_with_the_cache_flags_is_one_line_and_serves(
 
 @pytest.fixture(scope="session")
 def mtp_model(rpc_binary: Path, tmp_path_factory: pytest.TempPathFactory) -> ArchModel:
-    """deepseek2's random model with one MTP (nextn) layer after its own, with experts of its own (patch 0026's
+    """deepseek2's random model with one MTP (nextn) layer after its own, with experts of its own (patch 0036's
     --nextn). glm4moe's random MTP model stops the RPC device in its rope with the cache off too (an mrope
     section of 0), so deepseek2 stands for the MTP architectures."""
     out = tmp_path_factory.mktemp("mtp-model")

@@ -1,10 +1,10 @@
-"""Route trace override (patch 0024): llama-server replays recorded expert selections.
+"""Route trace override (patch 0034): llama-server replays recorded expert selections.
 
 A reduced ds-v2-lite model (4 layers: layer 0 dense, layers 1-3 MoE, the real expert shapes) runs the
 real patched llama-server with LLAMA_MOE_ROUTE_TRACE set to a trace of DeepSeek-V2-Lite's own routing on
 the ESFT `law` prompts, cut to 3 MoE layers. /moe/routing must then count exactly the trace's experts
 for the tokens the server evaluated, and the replayed experts must drive the computation. With
-LLAMA_ARG_MOE_TRANSITIONS (patch 0023) it must also count the trace's cross-layer pairs, exactly as
+LLAMA_ARG_MOE_TRANSITIONS (patch 0032) it must also count the trace's cross-layer pairs, exactly as
 `transition_counts` counts them on the same tokens.
 """
 

@@ -23,7 +23,7 @@ cannot be had here.
 
 Measured on the shared 2-core development machine (load 4-6 from other builds and tests): upstream's run
 takes 23-25 s (110 passed, 3 known failures, 41 deselected; 6 runs, none flaky; 9 more of the selection
-without chat, none flaky), the extraction 2 s. With 0018's sleep fix: 113 passed, 0 known failures, in
+without chat, none flaky), the extraction 2 s. With 0022's sleep fix: 113 passed, 0 known failures, in
 21 s. Its slowest tests are upstream's own waits: test_cancel_request (2 s) and the sleep tests (1-2 s each).
 """
 

@@ -341,8 +341,8 @@ def expert_cache_summary(llama: Samples | None) -> dict[str, Any] | None:
         "h2d_bytes_per_token": round(copied / tokens, 1) if tokens else None,
         "prefetch": prefetch,
         "prefetch_used_share": _ratio(_total(llama, "llamacpp:moe_cache_prefetch_used_total"), prefetch),
-        "preload": _total(llama, "llamacpp:moe_cache_preload_total"),  # None before patch 0022
-        # each token charged to its request's domain (patch 0010); the server's warm-up is "untagged"
+        "preload": _total(llama, "llamacpp:moe_cache_preload_total"),  # None before patch 0028
+        # each token charged to its request's domain (patch 0013); the server's warm-up is "untagged"
         "hit_rate_by_domain": {d: _ratio(domain_hits.get(d, 0.0), n) for d, n in domain_accesses.items() if n},
         # its misses and its micro-batches' prefetches (an expert two domains miss together counts for both)
         "h2d_bytes_by_domain": {d: b for d, b in domain_bytes.items() if domain_accesses.get(d)},

@@ -30,8 +30,8 @@ class Placement:
     slots: int = 0
     cpu_misses: bool = False  # the new design: misses split between copies and the CPU
     host: str = "pinned"  # pinned | mapped | ring: where the host experts are copied from
-    prompt_through_cache: bool = True  # patch 0013: a prompt's misses copied by the cache, one expert each
-    prompt_ahead: bool = False  # patch 0017: a prompt's copies one expert tensor ahead, overlapping compute
+    prompt_through_cache: bool = True  # patch 0017: a prompt's misses copied by the cache, one expert each
+    prompt_ahead: bool = False  # patch 0021: a prompt's copies one expert tensor ahead, overlapping compute
 
 
 @dataclass
@@ -208,11 +208,11 @@ def nvme_bps(machine: Machine) -> float:
 
 
 EXPERT_TENSORS = 3  # gate, up, down: the expert nodes of a layer, each a split of its own
-AHEAD_LAYER_SHARE = 0.75  # patch 0017 copies the next layer ahead when this one used this share of its experts
+AHEAD_LAYER_SHARE = 0.75  # patch 0021 copies the next layer ahead when this one used this share of its experts
 
 
 def prompt_ahead(n: int, terms: dict[str, float], copy_s: float, used_share: float, n_cache: int) -> Estimate:
-    """Patch 0017: while one expert tensor computes, the next one's misses cross on the copy stream. Only the
+    """Patch 0021: while one expert tensor computes, the next one's misses cross on the copy stream. Only the
     first tensor's copies stay in line; the others overlap the compute, so the prompt takes the longer of the
     two. Across layers the copies ahead take every expert not in a slot (the next layer's ids are not known
     yet): a share 1 - used_share of them goes unused, which the copy stream carries too."""

@@ -1,6 +1,6 @@
 """The cache-manager feeds llama's expert cache (moe_l2_cache.engine_cache): the flywheel's tables become
 each domain's prior, one row per layer the cache holds, and come back after llama loses them; the
-transitions llama counts (patch 0023) come back as the tables its prefetch predicts with.
+transitions llama counts (patch 0032) come back as the tables its prefetch predicts with.
 
 End to end on real parts: llama-server with the expert cache on the reduced ds-v2-lite shape, placed
 with --n-cpu-moe so that the cache holds only some MoE layers; real Redis; the cache-manager as a

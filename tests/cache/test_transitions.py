@@ -1,4 +1,4 @@
-"""Learned transitions (moe_l2_cache.transitions): llama's per-domain expert-pair counts (patch 0023) through
+"""Learned transitions (moe_l2_cache.transitions): llama's per-domain expert-pair counts (patch 0032) through
 the flywheel into Redis and out as the expert cache's prefetch tables. Against a real Redis; llama's
 /moe/routing is played by test_flywheel's transport, so every count is known. The oracle of the whole
 path is the policy study's own fit: counts of a per-token trace, pulled, stored and read back, give
@@ -95,7 +95,7 @@ def test_a_table_covers_only_cached_layers_with_no_moe_layer_between() -> None:
 
 
 def test_interleaved_moe_pairs_each_moe_layer_with_the_next_one() -> None:
-    """llama4 routes at every second layer: pair l is (l, l+2), counted by llama (patch 0023) and kept (D6:
+    """llama4 routes at every second layer: pair l is (l, l+2), counted by llama (patch 0032) and kept (D6:
     only (l, l+1) was, so an interleaved model had no transitions)."""
     block = np.zeros((4, 4))
     block[1, 2] = 4

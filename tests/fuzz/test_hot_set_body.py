@@ -1,4 +1,4 @@
-"""hypothesis on llama-server's hot-set parser (patch 0019), through the real binary.
+"""hypothesis on llama-server's hot-set parser (patch 0023), through the real binary.
 
 POST /moe/hot-set is what the cache-manager's flywheel sends, and the one body the C++ side parses
 by hand: layer keys as strings, expert ids checked against the model's shape. The property is what

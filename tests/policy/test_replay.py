@@ -49,7 +49,7 @@ def test_the_log_is_read_and_bypassed_accesses_are_skipped(tmp_path: Path):
 
 @pytest.mark.parametrize("policy", ["lru", "hybrid", "default"])
 def test_a_bypass_counts_its_resident_experts_and_leaves_residency_alone(tmp_path: Path, policy: str):
-    """Patch 0013: a micro-batch over the slots takes its resident experts from their slots. The replay
+    """Patch 0017: a micro-batch over the slots takes its resident experts from their slots. The replay
     counts them as the engine does (bypass_hits), and the bypass changes nothing after it."""
     log = tmp_path / "access.log"
     # layer 0 holds {1, 2}; the prompt uses 1, 2, 3, 5 (two resident); then 1 and 2 hit again

@@ -29,24 +29,24 @@ REPORT_ENV = "MOE_L2_UPSTREAM_REPORT"  # where the collection report (JSON) is w
 FILES: dict[str, int] = {
     # /completion and /v1/completions, blocking and streamed, in parallel slots, a client leaving a blocking
     # request (test_cancel_request; 0001 changed that wait), n_probs, the prompt cache: handle_completions_impl,
-    # where 0018/0020 read and check the domain tag, and the slot launch, where 0018/0022 tag the sequence
+    # where 0022/0024 read and check the domain tag, and the slot launch, where 0022/0027 tag the sequence
     "unit/test_completion.py": 40,
-    # /metrics, to which 0018/0019/0022 append the llamacpp:moe_* lines: upstream parses the whole text and
+    # /metrics, to which 0022/0023/0028 append the llamacpp:moe_* lines: upstream parses the whole text and
     # asserts a # TYPE line for every unlabelled llamacpp: metric, so ours are held to its format too
     "unit/test_metrics.py": 10,
     # /slots save, restore, erase (all left out below: stories260K's tokens and text, or an image model;
     # slot_save_demo.py ports the three text ones to the demo model)
     "unit/test_slot_save.py": 9,
     # /health, /props, /models, /slots, the listener on two addresses with an API key (server-http.cpp's
-    # middleware, which 0021 extends with the admin token on /moe/)
+    # middleware, which 0025 extends with the admin token on /moe/)
     "unit/test_basic.py": 8,
     # /v1/chat/completions, the gateway's path to llama-server: the same handle_completions_impl as /completion
     # (the domain tag), streamed chunks, usage, logprobs, n > 1 choices (several tasks of one request, each
     # tagged), a context too small, prompt progress
     "unit/test_chat_completion.py": 52,
-    # the API key middleware (0021) and CORS in server-http.cpp
+    # the API key middleware (0025) and CORS in server-http.cpp
     "unit/test_security.py": 29,
-    # sleep and wake: the model unloaded and loaded again, the path where 0018 attaches the telemetry's eval
+    # sleep and wake: the model unloaded and loaded again, the path where 0022 attaches the telemetry's eval
     # callback and hands it the new context; /metrics served from the snapshot while asleep
     "unit/test_sleep.py": 4,
 }
@@ -105,7 +105,7 @@ DESELECTED: dict[str, str] = {
 
 # Tests that fail on the series as it is, for a bug these tests found: each must fail with a ConnectionError
 # (the request that wakes the server finds it dead), and strictly: once the bug is fixed the test passes, and
-# the run fails until its entry goes. Empty since 0018 forgets its context before the server frees it: the
+# the run fails until its entry goes. Empty since 0022 forgets its context before the server frees it: the
 # three test_sleep.py tests crashed the server on wake (the reload's warm-up called the telemetry's callback
 # with the freed context) until then.
 KNOWN_FAILURES: dict[str, str] = {}

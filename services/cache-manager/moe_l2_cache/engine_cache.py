@@ -1,6 +1,6 @@
 """Feeding llama's expert cache with what the flywheel learned: each domain's prior and transitions.
 
-The engine's cache (patches 0009-0010 and 0022, docs/expert-cache.md) evicts by the hybrid score, which
+The engine's cache (patches 0009-0014 and 0026-0031, docs/expert-cache.md) evicts by the hybrid score, which
 weighs each expert by the prior of the running request's domain. That prior is the flywheel's
 table: per cached layer, each expert's share of the layer's (decayed) activations in the domain's
 requests. The cache holds only some model layers, depending on the placement (--cpu-moe, --n-cpu-moe
@@ -12,7 +12,7 @@ than tracking what llama holds: a table is n_layer x n_expert float32 (26 x 64 x
 DeepSeek-V2-Lite), and a llama that restarted gets its priors back within one interval.
 
 The default policy's cross-layer prefetch reads a table of transitions, P(expert b at layer l+1 | a at
-l). With LLAMA_ARG_MOE_TRANSITIONS llama counts them per domain (patch 0023), the flywheel stores them
+l). With LLAMA_ARG_MOE_TRANSITIONS llama counts them per domain (patch 0032), the flywheel stores them
 (transitions.py), and each round sends a domain's table with its prior once the domain has routed
 MOE_L2_CACHE_ENGINE_TRANSITIONS_MIN_TOKENS tokens (1,000 by default: a table fitted on a few tokens says
 P = 1 for whatever those tokens did, and every prefetch of a wrong guess costs a copy). Requests of

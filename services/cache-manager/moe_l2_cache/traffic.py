@@ -16,7 +16,7 @@ others' requests run; here the hot set is chosen for the mix instead:
 
 The `domain` posted to llama is the domain's own name when the mix is one domain (its hot set is then
 exactly the domain's), else the reserved TRAFFIC_DOMAIN: llama only stores and reports that name
-(patch 0019; its hit and miss counters go by each request's own tag), and no request may carry a
+(patch 0023; its hit and miss counters go by each request's own tag), and no request may carry a
 reserved name, so it cannot be mistaken for a domain. The pool pins a mix with no domain (None): no
 single domain's priors fit it.
 

@@ -1,6 +1,6 @@
 """Cross-layer transitions: which expert follows which at the next layer, per domain, learned from llama.
 
-llama-server with LLAMA_ARG_MOE_TRANSITIONS (patch 0023) counts, per domain tag, every pair (expert a at
+llama-server with LLAMA_ARG_MOE_TRANSITIONS (patch 0032) counts, per domain tag, every pair (expert a at
 MoE layer l, expert b at the next MoE layer) of a token's top-k selections, as pair l, and hands the
 counts over with each routing snapshot. The next MoE layer is l+1 where every layer routes, and l+2
 in llama4, which interleaves dense layers (before, only l+1 was counted, and llama4 got no pair). The

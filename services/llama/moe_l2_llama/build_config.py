@@ -20,13 +20,13 @@ DEFAULT_INDEX = "https://pypi.org/simple"
 CUDA_ARCHITECTURES = "61;75;86;89;90;120"
 BACKENDS = ("cpu", "vulkan", "cuda", "rpc")
 RPC_SERVER = "ggml-rpc-server"
-# upstream's tests/test-backend-ops, with patch 0025's --expert-cache (tests/test_backend_ops.py runs it): kept next
+# upstream's tests/test-backend-ops, with patch 0035's --expert-cache (tests/test_backend_ops.py runs it): kept next
 # to llama-server in the test builds of the backends it is run on, the CPU, Vulkan (llvmpipe) and RPC ones (the RPC
 # device's cases are the llvmpipe ones' twins, tests/ci_policy.py); the CUDA build leaves it out (its tests and the
 # GPU check do not run it) and saves its compile (~1 min on 2 cores)
 BACKEND_OPS = "test-backend-ops"
 BACKEND_OPS_BACKENDS = ("cpu", "vulkan", "rpc")
-# upstream's tests/test-llama-archs, with patch 0026's --n-expert/--n-expert-used: it writes the random models of
+# upstream's tests/test-llama-archs, with patch 0036's --n-expert/--n-expert-used: it writes the random models of
 # every architecture that tests/test_llama_archs.py runs through the expert cache, on the RPC device
 LLAMA_ARCHS = "test-llama-archs"
 LLAMA_ARCHS_BACKENDS = ("rpc",)

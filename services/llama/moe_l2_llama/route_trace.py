@@ -1,7 +1,7 @@
 """Route traces: recorded per-token expert selections that llama-server replays (LLAMA_MOE_ROUTE_TRACE).
 
 A model with a real model's shape but random weights routes at random. With a route trace, the
-patched llama-server (patch 0024) replaces every MoE layer's selected experts by those a real model
+patched llama-server (patch 0034) replaces every MoE layer's selected experts by those a real model
 selected, token by token, so the experts moved are the real model's. `moe-l2 make-route-trace`
 converts the ESFT traces (DeepSeek-V2-Lite on four task domains, an npz) into the server's format,
 which is simple enough to read in C++ without a zip or npy parser (all little-endian):

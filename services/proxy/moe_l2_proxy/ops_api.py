@@ -20,7 +20,7 @@ from moe_l2_proxy.upstream import LlamaUpstream
 router = APIRouter()
 
 
-# llama-server's MoE counters (patch 0019): `llamacpp:moe_hot_hits_total{domain="codegen"} 123`
+# llama-server's MoE counters (patch 0023): `llamacpp:moe_hot_hits_total{domain="codegen"} 123`
 @router.get("/healthz")
 async def healthz() -> dict[str, str]:
     return {"status": "ok"}

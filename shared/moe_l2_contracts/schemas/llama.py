@@ -14,7 +14,7 @@ LayerCounts = dict[str, dict[str, int]]
 
 
 class LayerPairCounts(BaseModel):
-    """One domain's cross-layer transitions in a routing snapshot (patch 0023, LLAMA_ARG_MOE_TRANSITIONS):
+    """One domain's cross-layer transitions in a routing snapshot (patch 0032, LLAMA_ARG_MOE_TRANSITIONS):
     for each layer l of `pairs`, how often expert a at MoE layer l and expert b at the next MoE layer (l+1, or
     l+2 where a dense layer comes between, as in llama4) were selected for
     the same token (every top-k x top-k pair); `counts` is base64 of little-endian uint32
@@ -50,7 +50,7 @@ class RoutingSnapshot(BaseModel):
 
 class HotSetRequest(BaseModel):
     """POST /moe/hot-set: the experts to prepare, per layer, most used first: llama's expert cache
-    pre-loads them in that order (patches 0012 and 0022), as many as its slots allow."""
+    pre-loads them in that order (patches 0016 and 0031), as many as its slots allow."""
 
     domain: str
     layers: dict[str, list[int]]
@@ -85,7 +85,7 @@ class ExpertCacheShape(BaseModel):
     layers: list[int]
     device_bytes: int
     slot_bytes: int
-    # the two buffers of a prompt's copies one expert tensor ahead (patch 0017), within device_bytes; 0 when off
+    # the two buffers of a prompt's copies one expert tensor ahead (patch 0021), within device_bytes; 0 when off
     ahead_bytes: int = 0
     profile: list[str] = Field(default_factory=list)
 

@@ -111,7 +111,7 @@ def _transitions(ex: NDArray[np.int64], n_expert: int) -> FloatArray:
 
 
 def transitions_from_counts(counts: FloatArray, top_k: int) -> FloatArray:
-    """P(b at l+1 | a at l) from `transition_counts` (or llama's, patch 0023): each activation of a at
+    """P(b at l+1 | a at l) from `transition_counts` (or llama's, patch 0032): each activation of a at
     layer l co-occurs with k experts at l+1, so a row sums to k and an entry is the probability that b
     follows a; a row without counts is 0."""
     return _normalise_rows(np.asarray(counts, dtype=np.float64)) * top_k

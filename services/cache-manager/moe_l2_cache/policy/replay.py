@@ -10,7 +10,7 @@ from 0), and the micro-batch's domain (`-` for none: no tag, or sequences of sev
 with bypass 1 used more experts than the layer has slots: the engine computed it on a full-size copy of the
 layer's experts and left its residency alone, so the replay does not change residency either; it counts
 the used experts that were resident then (`bypass_hits`: the engine copied those from their slots on the
-device, patch 0013, and only the others from host memory). A line with `P` in place of bypass is a preload
+device, patch 0017, and only the others from host memory). A line with `P` in place of bypass is a preload
 (a domain's hot set, POST /moe/hot-set, before that micro-batch): the experts brought in as a prefetch
 would be, already cut to the slots the engine gives a preload (n_slot - top-k).
 
