@@ -4,7 +4,8 @@ calibrated on measured constants, checked against the runs of bench/expert_offlo
     python bench/placement_model.py                       # the new design's predictions (H200, consumer)
     python bench/placement_model.py --against DIR [DIR]   # predicted vs measured, every cell; exit 1 if > 15%
     python bench/placement_model.py --json OUT            # the predictions (and any --against cells) as JSON
-    python bench/placement_model.py --replay-curve        # regenerate ESFT_CURVE from the policy's replay
+    python bench/placement_model.py --replay-curve        # regenerate ESFT_CURVE from the policy's replay: the
+                                                          # hit curve file it writes, the rest it prints
 
 The formula (seconds; one decode step, then one prompt micro-batch of n tokens)
 -------------------------------------------------------------------------------
@@ -26,7 +27,7 @@ host layers), copied every step (n_copy: d), or behind the expert cache with s s
     prompt = G(n) = g0 + g1 * n                      a's prompt: GPU compute of one micro-batch
            + copied bytes / h2d_big                  stock (n >= the offload minimum, 32): the scheduler
                                                      copies each host layer's used experts, in long runs
-           + copied bytes / h2d_expert               e after patch 0013: the cache copies its misses, one
+           + copied bytes / h2d_expert               e after patch 0017: the cache copies its misses, one
                                                      expert each (the others come from slots on the device)
 
 where m and p are a cached layer's misses and prefetches a token (the policy's replay: m = k (1 - hit
@@ -112,7 +113,7 @@ from data_paths import esft_npz  # noqa: E402
 
 # tests/test_expert_cache_auto.py reads the engine's arithmetic from here (pm.engine_auto_split, ...)
 from moe_l2_placement.choose import (  # noqa: E402, F401
-    ENGINE_HIT_PRIOR,
+    ENGINE_HIT_CURVE,
     EngineSplit,
     choose_layers_and_cache,
     engine_auto_split,
@@ -125,6 +126,7 @@ from moe_l2_placement.estimate import (  # noqa: E402
     page_cache_share,
     prompt,
 )
+from moe_l2_placement.hit_curve import DEFAULT_HIT_CURVE, write_hit_curve  # noqa: E402
 from moe_l2_placement.machine import (  # noqa: E402
     CONSUMER_HOST_RAM_BYTES,
     CPU_TOKEN_COST,
@@ -219,7 +221,7 @@ def host_memory(key: str, row: Mapping) -> str:
         return "pinned"
     if mode == "none" and env.get("GGML_CUDA_NO_PINNED") != "1":
         return "pinned"
-    return "mapped"  # llama.cpp's default maps the model; the engine before 0014 made no choice
+    return "mapped"  # llama.cpp's default maps the model; the engine before 0018 made no choice
 
 
 def placement_of(key: str, row: Mapping, shape: Shape) -> Placement:
@@ -235,8 +237,8 @@ def placement_of(key: str, row: Mapping, shape: Shape) -> Placement:
     if base == "d":
         return Placement(key, n_copy=L, host=host)
     if base == "e":
-        through = bool(row.get("host_experts_log"))  # the line came with 0014, after 0013 (prompts through the cache)
-        ahead = "copied one expert tensor ahead" in str(row.get("prompt_ahead_log") or "")  # 0017 on
+        through = bool(row.get("host_experts_log"))  # the line came with 0018, after 0017 (prompts through the cache)
+        ahead = "copied one expert tensor ahead" in str(row.get("prompt_ahead_log") or "")  # 0021 on
         return Placement(
             key, n_cache=L, slots=slots_of(row, shape), host=host, prompt_through_cache=through, prompt_ahead=ahead
         )
@@ -575,7 +577,7 @@ def design_rows(shape: Shape, machine: Machine, budget: int, label: str) -> list
         )
         pl = Placement("e+cpu", n_cache=L, slots=slots, cpu_misses=True)
         add("e+cpu", f"{slots} slots, misses split PCIe/CPU (choose_split)", pl, st, st.source)
-        # patch 0017's two buffers (a full-size expert tensor each) come out of the budget when they take at
+        # patch 0021's two buffers (a full-size expert tensor each) come out of the budget when they take at
         # most an eighth of it
         ahead = 2 * shape.n_expert * S // EXPERT_TENSORS
         slots_a = min(shape.n_expert, (budget - ahead) // (L * S))
@@ -717,6 +719,19 @@ def real_shapes_table(preds: Sequence[Prediction]) -> str:
 
 # -- the replay curve ----------------------------------------------------------------------------------------
 
+# The shipped hit curve's header (moe_l2_placement/data/hit-curve-default.txt), which --replay-curve writes.
+REPLAY_CURVE_COMMENT = """\
+The hit rate of a layer's expert cache against the share of the layer's experts it holds (slots / experts):
+the project's default policy (hybrid_threshold_prefetch, per-domain priors and transitions fitted on ESFT
+sequences 7..212) replaying bench/expert_offload.py's requests (a warm-up, then per run a prompt and a
+65-token decode, sequences 0..6) on DeepSeek-V2-Lite's ESFT routing (26 MoE layers of 64 experts, top-6),
+at s = 6..64 of 64 slots; its decode hit rates are the engine's measured ones (56.6 / 64.5 / 81.4% at 7 /
+14 / 32 slots, the H200 run of 2026-12-04).
+llama-server's --moe-cache-bytes auto reads it with --moe-cache-hit-curve FILE when no curve of the model's
+own routing exists yet (moe-l2 up passes the cache-manager's, MOE_L2_CACHE_HIT_CURVE_PATH, once written).
+Regenerate (about a minute): python bench/placement_model.py --replay-curve
+Format: moe_l2_placement.hit_curve (a point a line, linear between points, (0, 0) before the first)."""
+
 
 def replay_curve(
     slot_counts: Iterable[int], runs: int = 3, prompt_tokens: Sequence[int] = PROMPT_TOKENS, decode_tokens: int = 65
@@ -806,13 +821,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--against", type=Path, nargs="*", default=[], help="folders of expert_offload JSON files")
     parser.add_argument("--json", type=Path, help="write the predictions (and the --against cells) here")
-    parser.add_argument("--replay-curve", action="store_true", help="print ESFT_CURVE from the policy's replay")
+    parser.add_argument(
+        "--replay-curve",
+        action="store_true",
+        help="replay the policy: write its hit rates to the shipped hit curve (or --hit-curve-out) and print the "
+        "rest of ESFT_CURVE (curve.py's _ESFT_REPLAY)",
+    )
+    parser.add_argument(
+        "--hit-curve-out",
+        type=Path,
+        default=DEFAULT_HIT_CURVE,
+        help="where --replay-curve writes the hit curve (default: the shipped %(default)s)",
+    )
     args = parser.parse_args(argv)
     if args.replay_curve:
         curve = replay_curve(range(6, 65))
-        print("ESFT_CURVE = {")
+        write_hit_curve(args.hit_curve_out, [(s / 64, v[0]) for s, v in curve.items()], REPLAY_CURVE_COMMENT)
+        print(f"# the hit rates: written to {args.hit_curve_out}", file=sys.stderr)
+        print("_ESFT_REPLAY: dict[int, tuple[float, float, tuple[float, ...], float]] = {")
         for s, v in curve.items():
-            print(f"    {s}: {v!r},")
+            print(f"    {s}: {v[1:]!r},")
         print("}")
         return 0
     failed = False

@@ -1,4 +1,4 @@
-"""`--moe-cache-bytes auto` (patch 0016): a device budget split between whole layers of experts on the
+"""`--moe-cache-bytes auto` (patch 0020): a device budget split between whole layers of experts on the
 device and the expert cache for the others, decided before the model loads.
 
 Which device, and why it proves the claim: the **RPC device** (tests/conftest.py) is a device to the
@@ -8,7 +8,8 @@ exactly: a layer put on the device and also cached, or a cache over the wrong la
 
 The choice itself is checked against `bench/placement_model.py`'s `engine_auto_split`, the same
 arithmetic in Python, fed the inputs the engine logs (budget, shape, one miss's measured copy, the
-round trip): the engine and the model the project reasons with must agree on every budget.
+round trip) and the same hit curve (the shipped one, which every launcher passes as
+--moe-cache-hit-curve): the engine and the model the project reasons with must agree on every budget.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from moe_l2_llama.build import default_patches_dir
 from moe_l2_llama.command_line import llama_server_command
 from moe_l2_llama.settings import LlamaSettings
+from moe_l2_placement.hit_curve import DEFAULT_HIT_CURVE, HitCurveError, parse_hit_curve, read_hit_curve
 from tests.benches import load_bench
 from tests.conftest import RpcDevice, VulkanDevice
 from tests.test_expert_cache import EXPERT_BYTES, N_MOE, N_PREDICT, SHAPE, cache_off_reference, serve_on
@@ -41,6 +42,10 @@ INPUTS = re.compile(
 SPLIT = re.compile(r"expert cache auto: (\d+) of (\d+) MoE layers on the device \([\d.]+ MiB\), a cache of (\d+) of")
 FITS = re.compile(r"expert cache auto: every expert fits: all (\d+) MoE layers on the device")
 CPU_ONLY = re.compile(r"expert cache auto: the budget holds fewer than the \d+ experts .*: (\d+) of (\d+) MoE layers")
+CURVE = re.compile(
+    r"expert cache auto: hit rates of a curve of (\d+) points \(--moe-cache-hit-curve\): "
+    r"([\d.]+) at a quarter of the experts, ([\d.]+) at half"
+)
 LAYER = SHAPE.n_expert * EXPERT_BYTES
 
 
@@ -61,6 +66,11 @@ class Chosen:
 
 
 def chosen(log: str) -> Chosen:
+    curve = CURVE.search(log)
+    assert curve, f"no 'expert cache auto: hit rates' line naming the curve in the log:\n{log[-3000:]}"
+    shipped = read_hit_curve(DEFAULT_HIT_CURVE)
+    assert int(curve[1]) == len(shipped.points)
+    assert (float(curve[2]), float(curve[3])) == (round(shipped.hit(0.25), 4), round(shipped.hit(0.5), 4))
     found = INPUTS.search(log)
     assert found, f"no 'expert cache auto: budget' line in the log:\n{log[-3000:]}"
     budget, n_layer, n_expert, expert_bytes, n_used = (int(found[i]) for i in range(1, 6))
@@ -166,14 +176,40 @@ def test_a_bad_auto_budget_is_refused_in_one_line(llama_binary: Path, tmp_path: 
     assert message in proc.stdout + proc.stderr
 
 
-def test_the_engine_s_hit_prior_is_the_model_s() -> None:
-    """common.cpp's COMMON_MOE_HIT_PRIOR is ESFT_CURVE's hit rates, value for value: the engine and
-    bench/placement_model.py reason on one curve (regenerate both with --replay-curve)."""
-    patch = (default_patches_dir() / "0016-expert-cache-auto.patch").read_text()
-    table = re.search(r"COMMON_MOE_HIT_PRIOR\[59\] = \{\n((?:\+.*\n)+?)\+\};", patch)
-    assert table, "no COMMON_MOE_HIT_PRIOR in patch 0016"
-    values = [float(v) for v in re.findall(r"[\d.]+", table[1].replace("+", " "))]
-    assert values == list(pm.ENGINE_HIT_PRIOR)
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("# share hit\n0.5 0.6\n0.25 0.7\n", "line 3: shares must increase and hit rates not decrease"),
+        ("0.25 0.7\n0.5 0.6\n", "line 2: shares must increase and hit rates not decrease"),
+        ("0.5 nan\n1 1\n", "line 1: not two numbers"),
+        ("0.5 0.6 0.7\n1 1\n", "line 1: not two numbers"),
+        ("0.5 1.2\n1 1\n", "line 1: a share in (0, 1] and a hit rate in [0, 1] expected"),
+        ("# only one\n0.5 0.6\n", "fewer than two points"),
+    ],
+    ids=["shares-decrease", "hits-decrease", "nan", "three-numbers", "hit-over-1", "one-point"],
+)
+def test_a_bad_hit_curve_is_refused_in_one_line_by_the_engine_and_the_python_reader(
+    llama_binary: Path, tmp_path: Path, text: str, message: str
+) -> None:
+    """--moe-cache-hit-curve's file is read when the flags are (any build parses it): a bad one stops the
+    server at once, naming the line, before a model is read. The Python reader (what the flywheel writes
+    with, what the placement model reads) refuses the same file: the two read one format."""
+    path = tmp_path / "curve.txt"
+    path.write_text(text)
+    cmd = llama_server_command(llama_binary, tmp_path / "none.gguf", base_settings(gpu_layers=0))
+    proc = subprocess.run([*cmd, "--moe-cache-hit-curve", str(path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert f"--moe-cache-hit-curve {path}: {message}" in proc.stdout + proc.stderr
+    with pytest.raises(HitCurveError):
+        parse_hit_curve(text, str(path))
+
+
+def test_a_missing_hit_curve_is_refused_in_one_line(llama_binary: Path, tmp_path: Path) -> None:
+    cmd = llama_server_command(llama_binary, tmp_path / "none.gguf", base_settings(gpu_layers=0))
+    missing = tmp_path / "no-such-curve.txt"
+    proc = subprocess.run([*cmd, "--moe-cache-hit-curve", str(missing)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert f"--moe-cache-hit-curve {missing}: cannot be read" in proc.stdout + proc.stderr
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ from moe_l2_contracts.admin import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV, ADMIN_
 from moe_l2_ops.llama_replicas import MAX_REPLICAS, default_replica_count, parse_replica_count
 from moe_l2_ops.stack import StackSettings, check_ports, parse_args, stack_services
 from moe_l2_ops.supervisor import ServiceSpec, SupervisorError, free_port, port_in_use
+from moe_l2_placement.hit_curve import DEFAULT_HIT_CURVE, write_hit_curve
 from tests.test_stack import wait_for_line
 
 MODEL, BINARY = Path("/nonexistent.gguf"), Path("/bin/true")
@@ -53,6 +54,8 @@ def test_one_replica_is_the_stack_as_before(stack_env: None) -> None:
         "MOE_L2_MODEL_PATH": str(MODEL),
         "MOE_L2_REDIS_URL": "redis://127.0.0.1:6379/0",
         "MOE_L2_LLAMA_URL": "http://127.0.0.1:11436",
+        # the hit curve of the model's routing, for llama's next start (moe_l2_cache.hit_curve)
+        "MOE_L2_CACHE_HIT_CURVE_PATH": str(StackSettings().hit_curve_file(MODEL)),
         ADMIN_TOKEN_ENV: "t0k3n",
     }
     # the gateway finds llama and the cache-manager as it always did: nothing about replicas
@@ -64,6 +67,42 @@ def test_one_replica_is_the_stack_as_before(stack_env: None) -> None:
     assert fields(stack_services(StackSettings(), MODEL, BINARY, llama_replicas=1)) == fields(
         stack_services(StackSettings(), MODEL, BINARY)
     )
+
+
+def test_llama_reads_the_hit_curve_its_cache_manager_wrote(
+    stack_env: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The cache-manager writes the hit curve of the model's routing into the state folder; llama's auto
+    placement reads it from the next start on (the shipped one until then, or when it does not parse); the
+    user's MOE_L2_LLAMA_HIT_CURVE wins."""
+    for name in ("MOE_L2_LLAMA_HIT_CURVE", "MOE_L2_CACHE_HIT_CURVE_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MOE_L2_LLAMA_EXPERT_CACHE_BYTES", "auto")  # a GPU build's default under `up`
+    settings = StackSettings()
+    learned = settings.hit_curve_file(MODEL)
+    assert learned.is_relative_to(settings.state_dir)
+
+    def start() -> dict[str, str]:
+        specs = by_name(stack_services(settings, MODEL, BINARY))
+        assert specs["cache-manager"].env["MOE_L2_CACHE_HIT_CURVE_PATH"] == str(learned)
+        return specs["llama"].env
+
+    assert start()["LLAMA_ARG_MOE_CACHE_HIT_CURVE"] == str(DEFAULT_HIT_CURVE)  # none written yet
+    learned.parent.mkdir(parents=True)
+    write_hit_curve(learned, [(0.5, 0.7), (1.0, 1.0)])  # as the cache-manager writes it
+    assert start()["LLAMA_ARG_MOE_CACHE_HIT_CURVE"] == str(learned)
+    learned.write_text("0.5 0.7\n")  # one point: llama-server would refuse it
+    assert start()["LLAMA_ARG_MOE_CACHE_HIT_CURVE"] == str(DEFAULT_HIT_CURVE)
+    assert (
+        f"the cache-manager's hit curve is not used ({learned}: a hit curve needs at least 2" in capsys.readouterr().err
+    )
+    monkeypatch.setenv("MOE_L2_LLAMA_HIT_CURVE", str(tmp_path / "mine.txt"))
+    assert start()["LLAMA_ARG_MOE_CACHE_HIT_CURVE"] == str(tmp_path / "mine.txt")
+    # a fixed budget reads no curve: nothing in llama's environment
+    monkeypatch.setenv("MOE_L2_LLAMA_EXPERT_CACHE_BYTES", "4G")
+    assert "LLAMA_ARG_MOE_CACHE_HIT_CURVE" not in start()
+    # another model, another curve
+    assert StackSettings().hit_curve_file(Path("/models/other.gguf")) != learned
 
 
 def test_three_replicas(stack_env: None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -90,6 +129,12 @@ def test_three_replicas(stack_env: None, monkeypatch: pytest.MonkeyPatch) -> Non
     assert {s.env["MOE_L2_REDIS_URL"] for s in caches} == {"redis://127.0.0.1:6379/0"}
     assert {s.env["MOE_L2_MODEL_PATH"] for s in caches} == {str(MODEL)}
     assert {s.env["MOE_L2_CACHE_HOT_SET_SCOPE"] for s in caches} == {"traffic"}
+    # the same tables in every cache-manager: the first writes the hit curve every llama reads
+    assert [s.env.get("MOE_L2_CACHE_HIT_CURVE_PATH") for s in caches] == [
+        str(StackSettings().hit_curve_file(MODEL)),
+        None,
+        None,
+    ]
     # the gateway: both lists, paired by position
     proxy = named["proxy"].env
     assert proxy["MOE_L2_LLAMA_URLS"] == "http://127.0.0.1:20000,http://127.0.0.1:20100,http://127.0.0.1:20200"

@@ -75,6 +75,29 @@ def test_transitions_are_counted_with_the_expert_cache_unless_set(
 
 
 @pytest.mark.parametrize(
+    ("cache", "given", "curve"),
+    [("", None, None), ("4G", None, None), ("70%", None, None), ("auto:0", None, None), ("auto", None, "shipped"),
+     ("auto:8G", None, "shipped"), ("auto:90%", None, "shipped"), ("auto", "/state/mine.txt", "/state/mine.txt"),
+     ("4G", "/state/mine.txt", None)],
+)  # fmt: skip
+def test_the_hit_curve_goes_to_the_auto_placement_only(cache: str, given: str | None, curve: str | None) -> None:
+    """--moe-cache-hit-curve (LLAMA_ARG_MOE_CACHE_HIT_CURVE) is what the engine's auto split reads: with auto
+    only (a fixed budget reads no curve), the file given, else the shipped default (moe_l2_placement)."""
+    from moe_l2_placement.hit_curve import DEFAULT_HIT_CURVE
+
+    env = llama_server_env(LlamaSettings(expert_cache_bytes=cache, hit_curve=given, admin_token="t"))
+    expected = str(DEFAULT_HIT_CURVE) if curve == "shipped" else curve
+    assert env.get("LLAMA_ARG_MOE_CACHE_HIT_CURVE") == expected
+
+
+def test_the_hit_curve_setting_reads_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MOE_L2_LLAMA_HIT_CURVE", "/curves/model.txt")
+    assert LlamaSettings().hit_curve == Path("/curves/model.txt")
+    monkeypatch.setenv("MOE_L2_LLAMA_HIT_CURVE", "")  # compose's ${VAR:-}: unset
+    assert LlamaSettings().hit_curve is None
+
+
+@pytest.mark.parametrize(
     ("budget", "willneed", "flag"),
     [("", None, False), ("12GiB", None, True), ("", True, True), ("12GiB", False, False), ("  ", None, False)],
 )

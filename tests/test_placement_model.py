@@ -292,7 +292,7 @@ def test_predictions_cover_the_h200_budgets_and_the_consumer_card(pm, tmp_path, 
 
 
 def test_the_prompt_copies_ahead_overlap_the_compute(pm, ds, h200):
-    """Patch 0017's prompt: only the first tensor's copies stay in line, the rest overlap the compute, so the
+    """Patch 0021's prompt: only the first tensor's copies stay in line, the rest overlap the compute, so the
     prompt is faster than the same cache copying in line, and the wasted copies of a layer ahead count; a
     prompt that is all compute (no copies) gains nothing."""
     st = pm.esft_stats(30, ds.top_k, ds.n_expert)

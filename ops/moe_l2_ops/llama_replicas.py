@@ -18,7 +18,9 @@ the calling shell exported.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 from moe_l2_ops.python_service import python_service
@@ -26,6 +28,8 @@ from moe_l2_ops.stack_settings import StackSettings
 from moe_l2_ops.supervisor import ServiceSpec
 
 REPLICAS_ENV = "MOE_L2_LLAMA_REPLICAS"
+# where the cache-manager writes the hit curve of the model's routing (moe_l2_cache.hit_curve)
+HIT_CURVE_PATH_ENV = "MOE_L2_CACHE_HIT_CURVE_PATH"
 MAX_REPLICAS = 16
 PORT_STEP = 100
 LLAMA_URLS_ENV = "MOE_L2_LLAMA_URLS"
@@ -92,6 +96,39 @@ def replicas(settings: StackSettings, count: int) -> list[Replica]:
     ]
 
 
+def flywheel_hit_curve(settings: StackSettings, model: Path) -> Path:
+    """The hit curve file of the stack's cache-manager for `model`: MOE_L2_CACHE_HIT_CURVE_PATH when the user
+    set it, else the state folder's (StackSettings.hit_curve_file)."""
+    given = os.environ.get(HIT_CURVE_PATH_ENV, "").strip()
+    return Path(given) if given else settings.hit_curve_file(model)
+
+
+def learned_hit_curve(settings: StackSettings, model: Path) -> Path | None:
+    """The cache-manager's hit curve of `model`'s routing when it has written one that reads as a curve, else
+    None (llama-server then reads the shipped default). A file that does not parse is said once and skipped:
+    llama-server would refuse to start on it."""
+    from moe_l2_placement.hit_curve import HitCurveError, read_hit_curve
+
+    path = flywheel_hit_curve(settings, model)
+    if not path.is_file():
+        return None
+    try:
+        read_hit_curve(path)
+    except (HitCurveError, OSError) as exc:
+        _warn_bad_hit_curve(str(exc))
+        return None
+    return path
+
+
+@cache
+def _warn_bad_hit_curve(problem: str) -> None:
+    """Once: `up` builds llama's spec twice (the port check, then the start)."""
+    print(
+        f"warning: the cache-manager's hit curve is not used ({problem}); llama reads the shipped one",
+        file=sys.stderr,
+    )
+
+
 def llama_spec(settings: StackSettings, replica: Replica, model: Path, binary: Path, admin_token: str) -> ServiceSpec:
     from moe_l2_llama.settings import LlamaSettings
     from moe_l2_ops.llama_service import llama_service_spec
@@ -102,6 +139,10 @@ def llama_spec(settings: StackSettings, replica: Replica, model: Path, binary: P
     if not replica.single:
         overrides["port"] = replica.llama_port
     llama = LlamaSettings(**overrides)  # type: ignore[arg-type]
+    # MOE_L2_LLAMA_HIT_CURVE unset: the curve calibrated on the engine's measured hit rate, once the
+    # cache-manager wrote one
+    if llama.hit_curve is None and (learned := learned_hit_curve(settings, model)) is not None:
+        llama = llama.model_copy(update={"hit_curve": learned})
     return llama_service_spec(
         replica.llama_name, binary, model, llama, url_path="/v1", start_timeout_s=settings.start_timeout_s
     )
@@ -116,6 +157,8 @@ def cache_manager_spec(settings: StackSettings, replica: Replica, model: Path) -
     if not replica.single:
         env["MOE_L2_CACHE_PORT"] = str(replica.cache_port)
         env[HOT_SET_SCOPE_ENV] = "traffic"
+    if replica.index == 0:  # every replica's cache-manager reads the same tables: one writes the curve
+        env[HIT_CURVE_PATH_ENV] = str(flywheel_hit_curve(settings, model))
     # the gateway serves without it: no hints, no hot sets, until it is back
     return python_service(replica.cache_name, "moe_l2_cache", replica.cache_port, env, required=False)
 

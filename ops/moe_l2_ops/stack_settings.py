@@ -4,6 +4,7 @@ to each other with, how a service that dies is restarted. Read by the stack, by 
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -64,3 +65,10 @@ class StackSettings(BaseSettings):
     @property
     def admin_token_file(self) -> Path:
         return self.state_dir / ADMIN_TOKEN_FILENAME
+
+    def hit_curve_file(self, model: Path) -> Path:
+        """Where the cache-manager writes the hit curve of `model`'s routing (MOE_L2_CACHE_HIT_CURVE_PATH) and
+        llama-server's auto placement reads it at the next start: one file per model path, named after the
+        file and a hash of its absolute path (two models of one name in two folders do not share a curve)."""
+        key = hashlib.sha256(str(model.absolute()).encode()).hexdigest()[:12]
+        return self.state_dir / "hit-curves" / f"{model.stem}-{key}.txt"

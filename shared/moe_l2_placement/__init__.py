@@ -6,6 +6,7 @@ from a model's shape and a machine's measured constants, and the device budget's
     shape     Shape (by name, from a bench run, from a GGUF file), NotModelled
     machine   Machine and the free parameters; the H200 of 2026-12-04 and the machines scaled from it
     curve     CacheStats and ESFT_CURVE: the project's policy replayed on the ESFT trace
+    hit_curve the hit curve file llama-server's auto placement reads (the shipped one: data/hit-curve-default.txt)
     split     choose_split: a layer's misses between copies and the CPU
     estimate  Placement, decode, prompt, the host's page cache
     choose    choose_layers_and_cache, engine_auto_split

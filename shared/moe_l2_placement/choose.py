@@ -4,12 +4,12 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from moe_l2_placement.curve import ESFT_CURVE, CacheStats, esft_stats
+from moe_l2_placement.curve import ESFT_HIT_CURVE, CacheStats, esft_stats
 from moe_l2_placement.estimate import Placement, decode
+from moe_l2_placement.hit_curve import HitCurve
 from moe_l2_placement.machine import Machine
 from moe_l2_placement.shape import Shape
 
@@ -75,17 +75,15 @@ def choose_layers_and_cache(
     return replace(best, why=why)
 
 
-# -- the engine's --moe-cache-bytes auto (patch 0016), the same arithmetic -----------------------------------------
+# -- the engine's --moe-cache-bytes auto (patch 0020), the same arithmetic -----------------------------------------
 
-# ESFT_CURVE's hit rates, s = 6..64 of 64 slots: the prior common.cpp's COMMON_MOE_HIT_PRIOR holds (the routing a
-# server will see is unknown when it chooses the placement, before the model loads)
-ENGINE_HIT_PRIOR: tuple[float, ...] = tuple(ESFT_CURVE[s][0] for s in range(6, 65))
-
-
-def engine_hit_prior(share: float) -> float:
-    """common_moe_hit_prior: the prior at the nearest of 6..64 slots of 64 (halves round up, as C's floor(x + 0.5))."""
-    s = min(64, max(6, math.floor(share * 64.0 + 0.5)))
-    return ENGINE_HIT_PRIOR[s - 6]
+# The hit curve the engine chooses the placement with (it does so before the model loads, before any routing is
+# seen): the file of --moe-cache-hit-curve. `moe-l2 up` passes the cache-manager's curve of the model's routing
+# once written, else the shipped one, ESFT_CURVE's hit rates (moe_l2_placement.hit_curve); this is the latter.
+ENGINE_HIT_CURVE: HitCurve = ESFT_HIT_CURVE
+# A llama-server started without --moe-cache-hit-curve assumes uniform routing: a cache of a share of a layer's
+# experts hits that share of its uses.
+UNIFORM_HIT_CURVE = HitCurve(((0.5, 0.5), (1.0, 1.0)))
 
 
 @dataclass(frozen=True)
@@ -106,15 +104,22 @@ class EngineSplit:
 
 
 def engine_auto_split(
-    n_layer: int, n_expert: int, n_used: int, expert_bytes: int, budget: int, t_rt_s: float, t_miss_s: float
+    n_layer: int,
+    n_expert: int,
+    n_used: int,
+    expert_bytes: int,
+    budget: int,
+    t_rt_s: float,
+    t_miss_s: float,
+    hit_curve: HitCurve = ENGINE_HIT_CURVE,
 ) -> EngineSplit:
     """The engine's `--moe-cache-bytes auto`, operation for operation (common.cpp common_moe_choose_split).
 
     A cached layer costs a decode step one round trip (t_rt) and n_used * (1 - hit(slots)) misses of t_miss;
     a layer on the device neither. The n_dev of least cost, the larger on a tie; where no split leaves top-k
     slots, whole layers only. It is choose_layers_and_cache with the CPU's share of the misses, the prefetch
-    and the prompt left out, on the ESFT prior: `predictions` prints what the full model predicts for its
-    choice next to the full model's own."""
+    and the prompt left out, on `hit_curve` (the shipped ESFT curve unless given): `predictions` prints what the
+    full model predicts for its choice next to the full model's own."""
     layer = n_expert * expert_bytes
     if budget >= n_layer * layer:
         return EngineSplit(n_layer, 0, 0.0)
@@ -125,7 +130,7 @@ def engine_auto_split(
         n_slot = min(n_expert, (budget - n_dev * layer) // (rest * expert_bytes))
         if n_slot < n_used:
             continue
-        cost = rest * (t_rt_s + n_used * (1.0 - engine_hit_prior(n_slot / n_expert)) * t_miss_s)
+        cost = rest * (t_rt_s + n_used * (1.0 - hit_curve.hit(n_slot / n_expert)) * t_miss_s)
         if best is None or cost <= best.cost_s * (1.0 + 1e-9):
             best = EngineSplit(n_dev, n_slot, cost)
     return best if best is not None else EngineSplit(max_dev, 0, 0.0)

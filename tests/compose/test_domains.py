@@ -16,8 +16,9 @@ import pytest
 
 from moe_l2_domains.known import known_domains
 from moe_l2_domains.taxonomy import TAXONOMY_ENV, load_default_taxonomy, load_taxonomy
+from moe_l2_placement.hit_curve import DEFAULT_HIT_CURVE
 from tests.compose.checks import DOMAINS_LINE, DOMAINS_SCRIPT, TAXONOMY_FILE
-from tests.compose.loading import ROOT
+from tests.compose.loading import COMPOSE, ROOT, load_compose_text
 from tests.kubernetes.rendering import TARGETS, containers, env, kubelet_expand, render
 
 DOCKERFILE = ROOT / "services" / "llama" / "Dockerfile"
@@ -138,3 +139,21 @@ def test_kubernetes_llama_reads_the_domains_from_its_image(target: str) -> None:
     script = "\n".join(kubelet_expand(a, variables) for a in container["command"])
     assert DOMAINS_LINE in script, "llama's command does not set the domains from the image"
     assert "MOE_L2_EXTRA_DOMAINS" in variables
+
+
+@pytest.mark.parametrize("stage", RUNTIME_STAGES)
+def test_every_llama_image_ships_the_hit_curve_where_the_launchers_point(stage: str) -> None:
+    """--moe-cache-bytes auto's prior (--moe-cache-hit-curve): the file compose and Kubernetes name is the one
+    the image copies from moe_l2_placement's shipped curve."""
+    copies = {}
+    for line in _stages(DOCKERFILE.read_text())[stage]:
+        if line.startswith("COPY ") and "--from=" not in line:
+            *_, source, target = line.split()
+            copies[source] = target
+    shipped = copies.get(str(DEFAULT_HIT_CURVE.relative_to(ROOT)))
+    assert shipped, f"the {stage} image lacks the shipped hit curve: {copies}"
+    compose_env = load_compose_text(COMPOSE.read_text())["services"]["llama"]["environment"]
+    assert compose_env["LLAMA_ARG_MOE_CACHE_HIT_CURVE"] == shipped
+    for target in sorted(TARGETS):
+        container, _ = containers(render(target))["llama"]
+        assert env(container)["LLAMA_ARG_MOE_CACHE_HIT_CURVE"] == shipped, target

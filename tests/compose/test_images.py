@@ -150,6 +150,7 @@ def test_dockerignore() -> None:
         "services/llama/moe_l2_llama/build.py",
         "services/llama/docker/moe-l2-domains",
         "shared/moe_l2_domains/data/taxonomy.yaml",
+        "shared/moe_l2_placement/data/hit-curve-default.txt",
         "services/llama/patches/0001-ubatch-seqs.patch",
         "requirements/proxy.txt",
         "requirements/cache.txt",

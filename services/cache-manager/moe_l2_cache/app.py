@@ -34,6 +34,7 @@ from moe_l2_cache.engine_cache import EngineCacheFeeder
 from moe_l2_cache.flywheel import Flywheel
 from moe_l2_cache.gpu import GpuCollector
 from moe_l2_cache.hints import HintController, PassThroughHints
+from moe_l2_cache.hit_curve import HitCurveWriter
 from moe_l2_cache.hotset import router_map_text
 from moe_l2_cache.metrics import ServiceCollector
 from moe_l2_cache.ram_tier import ModelReplaced, RamTier, RamTierError, plan_ram
@@ -55,6 +56,7 @@ from moe_l2_contracts.schemas.cache import (
 from moe_l2_contracts.schemas.errors import ServiceError, error_body
 from moe_l2_contracts.schemas.hint import HintRequest, HintResponse
 from moe_l2_gguf.index import ExpertIndex, GGUFIndexError, load_index
+from moe_l2_placement.hit_curve import DEFAULT_HIT_CURVE, HitCurveError, read_hit_curve
 
 log = logging.getLogger("moe_l2_cache")
 
@@ -184,8 +186,30 @@ async def build_service(settings: CacheSettings) -> Service:
             settings.engine_profile_interval_s,
             transitions_min_tokens=settings.engine_transitions_min_tokens,
         ),
+        hit_curve=_hit_curve_writer(settings, llama, index),
         claim=claim,
         tasks=tasks,
+    )
+
+
+def _hit_curve_writer(settings: CacheSettings, llama: httpx.AsyncClient, index: ExpertIndex) -> HitCurveWriter | None:
+    """MOE_L2_CACHE_HIT_CURVE_PATH: the shipped curve through llama's measured hit rate, for its next start."""
+    if settings.hit_curve_path is None:
+        return None
+    try:
+        prior = read_hit_curve(DEFAULT_HIT_CURVE)
+    except (HitCurveError, OSError) as e:  # a broken install: the service runs, llama reads what it has
+        log.error("hit curve: not written, the shipped curve cannot be read (%s)", e)
+        return None
+    return HitCurveWriter(
+        llama,
+        settings.hit_curve_path,
+        min_accesses=settings.hit_curve_min_accesses,
+        interval_s=settings.hit_curve_interval_s,
+        timeout=httpx.Timeout(settings.llama_timeout_s, connect=2.0),
+        prior=prior,
+        n_expert=index.n_expert,
+        model=index.name or index.path.name,
     )
 
 
@@ -316,6 +340,8 @@ async def _start(service: Service) -> None:
         service.tasks.append(asyncio.create_task(service.flywheel.run(service.settings.pull_interval_s)))
     if service.engine_cache is not None and service.settings.engine_profile_interval_s > 0:
         service.tasks.append(asyncio.create_task(service.engine_cache.run()))
+    if service.hit_curve is not None:
+        service.tasks.append(asyncio.create_task(service.hit_curve.run()))
     if service.ram_tier is not None:
         service.tasks.append(asyncio.create_task(run_ram_tier(service)))
 
@@ -328,6 +354,11 @@ async def _stop(service: Service) -> None:
             await task
     if service.flywheel is not None:
         await service.flywheel.flush()  # best effort: what Redis does not take now is lost
+    if service.hit_curve is not None:
+        try:  # llama's counts since the last round, for its next start
+            await service.hit_curve.write_if_due()
+        except Exception:  # a bug here must not keep the rest from closing
+            log.exception("hit curve: the last write failed")
     await service.llama.aclose()
     if service.redis is not None:
         await service.redis.aclose()

@@ -12,6 +12,7 @@ from moe_l2_cache.claim import LlamaClaim
 from moe_l2_cache.engine_cache import EngineCacheFeeder
 from moe_l2_cache.flywheel import Flywheel
 from moe_l2_cache.hints import HintController, PassThroughHints
+from moe_l2_cache.hit_curve import HitCurveWriter
 from moe_l2_cache.ram_tier import RamTier
 from moe_l2_cache.redis_keys import RedisKeys
 from moe_l2_cache.residency import ExpertPool
@@ -36,5 +37,6 @@ class Service:
     ram_tier: RamTier | None = None  # MOE_L2_RAM_BUDGET
     flywheel: Flywheel | None = None
     engine_cache: EngineCacheFeeder | None = None
+    hit_curve: HitCurveWriter | None = None  # MOE_L2_CACHE_HIT_CURVE_PATH: auto's curve, on llama's hit rate
     claim: LlamaClaim | None = None  # MOE_L2_CACHE_CLAIM_LLAMA: the replica claimed (settings.llama_url is it)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)

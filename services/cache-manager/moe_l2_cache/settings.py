@@ -90,6 +90,35 @@ class CacheSettings(ServiceSettings):
         ge=0,
         description="tokens a domain must have routed before its learned transitions go to llama's expert cache",
     )
+    # docs/cache-manager.md, "The hit curve"
+    hit_curve_path: Path | None = Field(
+        default=None,
+        description="write here the hit curve llama-server's --moe-cache-bytes auto reads at its start "
+        "(--moe-cache-hit-curve): the shipped curve's shape through the hit rate llama's expert cache measured "
+        "(moe_l2_cache.hit_curve); unset: not written",
+    )
+    # 1,000,000: the hit rate's standard error. Counted as independent draws it would be sqrt(p(1-p)/n), 0.16
+    # points at 100,000 accesses; but a request's accesses are not independent (the cache keeps what its own
+    # tokens reuse), and its requests differ: the project's policy replaying 60 ESFT requests of 65 decode tokens
+    # (9,875 accesses each) had per-request hit rates of standard deviation 4.7 points at 7 of 64 slots (4.2 at
+    # 32), so the pooled rate's standard error is 1.5 points at 100,000 accesses (10 requests) and 0.47 at
+    # 1,000,000 (100 requests). The shipped curve climbs 1.7-2.7 points a slot at 6-8 of 64: at 100,000 its 95%
+    # interval spans two slots, at 1,000,000 less than one. DeepSeek-V2-Lite makes up to 156 accesses a decode
+    # token (26 cached layers x top-6): 1,000,000 is about 6,500 tokens, a minute or two of one replica's decode.
+    hit_curve_min_accesses: int = Field(
+        default=1_000_000,
+        ge=1,
+        description="accesses llama's expert cache must count (llamacpp:moe_cache_accesses_total, since the "
+        "cache-manager started) before its hit rate calibrates the hit curve: fewer leave the shipped curve",
+    )
+    # 60 s: llama-server reads the file only when it starts, and the cache-manager reads llama's counters and
+    # writes once more when it stops, so between the two the interval only bounds what is lost when the
+    # cache-manager crashes or llama restarts (its counters start again from 0: the accesses since the last
+    # reading are not counted; at 50-200 tokens/s of decode, 60 s is 0.5-1.8 million accesses). A round is two
+    # GETs to llama (/moe/cache, /metrics) and, when the counts moved, a 2 KB file written and fsynced.
+    hit_curve_interval_s: float = Field(
+        default=60.0, gt=0, description="read llama's cache counters (and write the hit curve) at most this often"
+    )
     dwell_s: float = Field(
         default=10.0, ge=0, description="minimum time a domain stays active before another takes over"
     )
@@ -139,6 +168,12 @@ class CacheSettings(ServiceSettings):
     claim_resolve_timeout_s: float = Field(
         default=60.0, ge=0, description="how long the llama host may fail to resolve before the service gives up"
     )
+
+    @field_validator("hit_curve_path", mode="before")
+    @classmethod
+    def _empty_path_is_none(cls, value: object) -> object:
+        # MOE_L2_CACHE_HIT_CURVE_PATH= (empty, as compose's ${VAR:-}) is unset, not the current folder
+        return None if isinstance(value, str) and not value.strip() else value
 
     @field_validator("extra_domains")
     @classmethod

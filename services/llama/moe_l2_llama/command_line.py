@@ -16,6 +16,7 @@ from moe_l2_contracts.admin import configured_token
 from moe_l2_domains.known import known_domains
 from moe_l2_llama.cpu_features import cpu_has_amx
 from moe_l2_llama.settings import LlamaSettings
+from moe_l2_placement.hit_curve import DEFAULT_HIT_CURVE
 
 
 def total_context(settings: LlamaSettings) -> int:
@@ -27,6 +28,17 @@ def total_context(settings: LlamaSettings) -> int:
 def expert_cache_on(settings: LlamaSettings) -> bool:
     value = settings.expert_cache_bytes
     return value == "auto" or bool(re.sub(r"[^1-9]", "", value))  # auto, or any nonzero digit: not off
+
+
+def auto_placement(settings: LlamaSettings) -> bool:
+    """--moe-cache-bytes auto, auto:SIZE or auto:SHARE: the engine splits the budget between whole layers and
+    the cache by its cost model, which reads the hit curve (hit_curve_file)."""
+    return expert_cache_on(settings) and settings.expert_cache_bytes.startswith("auto")
+
+
+def hit_curve_file(settings: LlamaSettings) -> Path:
+    """The hit curve llama-server's auto placement reads: the one given (hit_curve), else the shipped default."""
+    return settings.hit_curve or DEFAULT_HIT_CURVE
 
 
 def willneed_on(settings: LlamaSettings) -> bool:
@@ -77,12 +89,17 @@ def llama_server_command(binary: Path, model: Path, settings: LlamaSettings) -> 
 
 def llama_server_env(settings: LlamaSettings) -> dict[str, str]:
     """Variables added to the environment of llama-server, the LLAMA_ARG_* variables of its MoE flags
-    (patches 0018-0023): --moe-telemetry and --moe-transitions, the admin token (a variable, not
+    (patches 0022-0033): --moe-telemetry and --moe-transitions, the admin token (a variable, not
     --moe-admin-token, which `ps` would show; empty: every admin call is refused) and --moe-domains,
-    the domains a request may be tagged with."""
-    return {
+    the domains a request may be tagged with; and of its drain on SIGTERM (--shutdown-timeout). With the expert
+    cache's auto placement, the hit curve it splits the budget with (--moe-cache-hit-curve)."""
+    env = {
+        "LLAMA_ARG_SHUTDOWN_TIMEOUT": str(settings.shutdown_timeout_s),
         "LLAMA_ARG_MOE_TELEMETRY": "1" if settings.telemetry else "0",
         "LLAMA_ARG_MOE_TRANSITIONS": "1" if counts_transitions(settings) else "0",
         "LLAMA_ARG_MOE_ADMIN_TOKEN": settings.admin_token or configured_token(),
         "LLAMA_ARG_MOE_DOMAINS": ",".join(sorted(known_domains())),
     }
+    if auto_placement(settings):
+        env["LLAMA_ARG_MOE_CACHE_HIT_CURVE"] = str(hit_curve_file(settings))
+    return env

@@ -32,6 +32,9 @@ DEFAULT_CTX_PER_REQUEST = 4096
 # (llama's image has no Python; llama-server alone would report the model's path), and clients
 # configured with it keep working when the model file changes.
 DEFAULT_MODEL_ALIAS = "moe-l2"
+# The gateway's drain (MOE_L2_PROXY_DRAIN_S) is as long: a llama replica stopped alone (a rolling restart,
+# a pod moved) lets a stream the gateway is relaying finish as the gateway would.
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30
 CTX_SIZE_ENV = LLAMA.env_prefix + "CTX_SIZE"  # the total before ctx_per_request: still read, with a warning
 
 
@@ -118,6 +121,13 @@ class LlamaSettings(ServiceSettings):
     expert_cache_policy: Literal["default", "hybrid", "lru"] = Field(
         default="default", description="which experts the cache keeps (--moe-cache-policy)"
     )
+    hit_curve: Path | None = Field(
+        default=None,
+        description="the hit curve expert_cache_bytes=auto splits the budget with (--moe-cache-hit-curve): the hit "
+        "rate of a layer's cache against the share of its experts it holds (moe_l2_placement.hit_curve); unset: "
+        "under `moe-l2 up` the curve its cache-manager calibrated on the hit rate the engine measured, if there is "
+        "one, else the shipped default (the project's policy replayed on DeepSeek-V2-Lite's ESFT routing)",
+    )
     transitions: bool | None = Field(
         default=None,
         description="count per domain which expert follows which at the next layer (--moe-transitions), "
@@ -126,13 +136,19 @@ class LlamaSettings(ServiceSettings):
     ram_budget: str = stack_wide(
         "RAM_BUDGET", default="", description="the RAM tier's budget, held by the cache-manager (docs/ram-tier.md)"
     )
+    shutdown_timeout_s: int = Field(
+        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+        ge=0,
+        description="on SIGTERM, llama-server answers new requests 503 and lets those in flight finish for this "
+        "many seconds (--shutdown-timeout); what still runs then ends with an error event, never a cut stream",
+    )
     moe_willneed: bool | None = Field(
         default=None,
         description="as soon as a MoE layer's router has chosen, read the chosen experts ahead from the mapped "
         "model (--moe-willneed); unset: on when MOE_L2_RAM_BUDGET is set",
     )
 
-    @field_validator("parallel", "ctx_per_request", "ctx_size", "model_alias", mode="before")
+    @field_validator("parallel", "ctx_per_request", "ctx_size", "model_alias", "hit_curve", mode="before")
     @classmethod
     def _empty_is_the_default(cls, value: object, info: ValidationInfo) -> object:
         # as compose's ${MOE_L2_LLAMA_PARALLEL:-4}: an empty variable is an unset one, on every launcher
