@@ -9,7 +9,7 @@ the streams closed by their client after a few chunks. Meanwhile each fault in t
 and the supervisor is left to repair it:
 
   predictor, cache-manager (replica 1), redis, llama (replica 1 of 2), proxy   SIGKILL
-  proxy-drain                                                                   SIGTERM (its drain)
+  llama-drain (replica 1 of 2), proxy-drain                                     SIGTERM (their drains)
 
 and at the end the stack itself gets SIGTERM with traffic still running (`stack-stop`): the gateway
 must drain before anything is killed.
@@ -75,13 +75,16 @@ from moe_l2_ops.supervisor import free_port, port_in_use, read_state
 
 Outcome = Literal["full", "refused", "unreachable", "client_cut", "cut_by_kill", "bad"]
 OUTCOMES: tuple[Outcome, ...] = ("full", "refused", "unreachable", "client_cut", "cut_by_kill", "bad")
-FAULTS = ("predictor", "cache-manager", "redis", "llama", "proxy", "proxy-drain")
+FAULTS = ("predictor", "cache-manager", "redis", "llama", "llama-drain", "proxy", "proxy-drain")
 # per fault: the stack's service it hits (with two replicas), and the signal
 TARGETS: dict[str, tuple[str, signal.Signals]] = {
     "predictor": ("predictor", signal.SIGKILL),
     "cache-manager": ("cache-manager-1", signal.SIGKILL),
     "redis": ("redis", signal.SIGKILL),
     "llama": ("llama-1", signal.SIGKILL),
+    # llama-server's drain (--shutdown-timeout): new requests 503, which the gateway retries on the other
+    # replica; the streams in flight finish, then it exits and the supervisor starts it again
+    "llama-drain": ("llama-1", signal.SIGTERM),
     "proxy": ("proxy", signal.SIGKILL),
     "proxy-drain": ("proxy", signal.SIGTERM),
 }

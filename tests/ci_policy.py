@@ -48,6 +48,7 @@ AREAS: tuple[tuple[str, str], ...] = (
     ("tests/test_bump_llama.py", "engine"),
     ("tests/test_cuda_toolchain.py", "engine"),
     ("tests/test_build_script_mode.py", "engine"),
+    ("tests/test_llama_shutdown.py", "engine"),
     ("tests/test_source_archive.py", "engine"),
     ("tests/test_moe_willneed.py", "engine"),
     ("tests/test_route_trace.py", "engine"),

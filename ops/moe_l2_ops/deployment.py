@@ -110,6 +110,7 @@ SETTINGS: tuple[Setting, ...] = (
         needs=MappingProxyType({"MOE_L2_LLAMA_EXPERT_CACHE_BYTES": "4G"}),
     ),
     Setting("llama-server's slots (KV cache)", "llama", "parallel", "3"),
+    Setting("llama-server's drain on SIGTERM", "llama", "shutdown_timeout_s", "10"),
     Setting(
         "llama-server's context per request (KV cache)",
         "llama",

@@ -10,6 +10,9 @@ from moe_l2_llama.settings import LlamaSettings
 from moe_l2_llama.vulkan_env import device_env
 from moe_l2_ops.supervisor import ServiceSpec, http_ok
 
+# What a stop waits beyond llama-server's drain (--shutdown-timeout): its error events to what still runs, its exit.
+LLAMA_STOP_MARGIN_S = 10.0
+
 
 def llama_service_spec(
     name: str,
@@ -29,4 +32,6 @@ def llama_service_spec(
         health=http_ok(f"{base}{LLAMA.health_path}"),
         url=base + url_path,
         start_timeout_s=start_timeout_s,
+        # SIGKILL before the drain's end would cut the streams it lets finish
+        stop_timeout_s=settings.shutdown_timeout_s + LLAMA_STOP_MARGIN_S,
     )
