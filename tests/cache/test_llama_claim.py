@@ -258,16 +258,18 @@ def test_two_processes_one_replica_the_second_waits_then_takes_over(
     second = CacheManager({k: str(v) for k, v in env.items()}, tmp_path / "cache-manager-second.log")
     try:
         proc = _start_waiting(second)
-        assert not _until(second._healthy, 4), "a second cache-manager serves a replica the first one holds"
+        # its start (imports, Redis) takes seconds on a loaded machine: wait for what it says, then watch it
+        waiting = "every llama replica at localhost has a cache-manager (1)"
+        assert _until(lambda: waiting in second.log.read_text(), 60), "the standby never said it waits"
+        assert not _until(second._healthy, 2), "a second cache-manager serves a replica the first one holds"
         assert proc.poll() is None, "a standby waits, it does not exit"
-        assert "every llama replica at localhost has a cache-manager (1)" in second.log.read_text()
         with redis_server.client() as r:
             assert r.get(key) == first_owner
 
         # clean stop (uvicorn re-raises SIGTERM once shut down): the claim is released, the standby takes it
         assert first.stop() in (0, -signal.SIGTERM)
         with redis_server.client() as r:
-            assert _until(lambda: r.get(key) not in (None, first_owner), 2), "the standby did not take over"
+            assert _until(lambda: r.get(key) not in (None, first_owner), 15), "the standby did not take over"
         assert _until(second._healthy, 30)
         assert second.stats()["llama_url"] == replica
 
