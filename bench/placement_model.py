@@ -6,6 +6,8 @@ calibrated on measured constants, checked against the runs of bench/expert_offlo
     python bench/placement_model.py --json OUT            # the predictions (and any --against cells) as JSON
     python bench/placement_model.py --replay-curve        # regenerate ESFT_CURVE from the policy's replay: the
                                                           # hit curve file it writes, the rest it prints
+    python bench/placement_model.py --two-gpus            # 2 x 24 GB (PCIe 4.0 x16, x8/x8): stock --n-cpu-moe
+                                                          # with --tensor-split against a cache per device
 
 The formula (seconds; one decode step, then one prompt micro-batch of n tokens)
 -------------------------------------------------------------------------------
@@ -142,6 +144,17 @@ from moe_l2_placement.machine import (  # noqa: E402
     h200_for,
     h200_machine,
     hbm_of,
+)
+from moe_l2_placement.multi_gpu import (  # noqa: E402
+    LINKS,
+    TwoGpuRow,
+    describe,
+    desktop_gpus,
+    device_words,
+    one_cache_plan,
+    per_device_plan,
+    stock_best,
+    stock_even,
 )
 from moe_l2_placement.shape import NotModelled, Shape  # noqa: E402
 
@@ -717,6 +730,47 @@ def real_shapes_table(preds: Sequence[Prediction]) -> str:
     return "\n".join(lines)
 
 
+# -- two GPUs (issue 45): stock --n-cpu-moe with --tensor-split against one cache and a cache per device ------
+
+TWO_GPU_SHAPES = ("qwen3-235b-a22b", "gpt-oss-120b", "glm-4.5-air")
+
+
+def two_gpu_predictions() -> list[TwoGpuRow]:
+    """Each shape on 2 x 24 GB of the 24 GB desktop, both cards on PCIe 4.0 x16 and on x8/x8: stock --n-cpu-moe
+    on llama.cpp's default split and on the best split, one cache on device 0 (today), a cache per device."""
+    h200 = h200_machine()
+    out: list[TwoGpuRow] = []
+    for name in TWO_GPU_SHAPES:
+        shape = Shape.named(name)
+        for link in LINKS:
+            gpus = desktop_gpus(shape, h200, link)
+            for plan in (
+                stock_even(shape, gpus),
+                stock_best(shape, gpus),
+                one_cache_plan(shape, gpus),
+                per_device_plan(shape, gpus),
+            ):
+                if plan is not None:
+                    out.append(describe(shape, gpus, plan))
+    return out
+
+
+def two_gpus_table(rows: Sequence[TwoGpuRow]) -> str:
+    lines = [
+        "| shape | link | placement | --tensor-split | --n-cpu-moe | decode tok/s | prompt tok/s (117 tokens) | "
+        "decode bound | per device: whole layers, cached x slots, CPU; used / memory |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        link = r.machine.rsplit(" ", 1)[-1]
+        n = "" if r.n_cpu_moe is None else str(r.n_cpu_moe)
+        lines.append(
+            f"| {r.shape} | {link} | {r.placement} | {r.tensor_split} | {n} | {r.decode_tps:.1f} | "
+            f"{r.prompt_tps:.0f} | {r.decode_bound} | {device_words(r)} |"
+        )
+    return "\n".join(lines)
+
+
 # -- the replay curve ----------------------------------------------------------------------------------------
 
 # The shipped hit curve's header (moe_l2_placement/data/hit-curve-default.txt), which --replay-curve writes.
@@ -833,7 +887,21 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_HIT_CURVE,
         help="where --replay-curve writes the hit curve (default: the shipped %(default)s)",
     )
+    parser.add_argument(
+        "--two-gpus",
+        action="store_true",
+        help="2 x 24 GB cards (PCIe 4.0 x16 and x8/x8): stock --n-cpu-moe with --tensor-split against one cache "
+        "on device 0 and a cache per device (issue 45); with --json, written as two_gpus",
+    )
     args = parser.parse_args(argv)
+    if args.two_gpus:
+        rows = two_gpu_predictions()
+        print(two_gpus_table(rows))
+        if args.json:
+            doc2 = {"free_parameters": free_parameters(), "two_gpus": [asdict(r) for r in rows]}
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(doc2, indent=2) + "\n")
+        return 0
     if args.replay_curve:
         curve = replay_curve(range(6, 65))
         write_hit_curve(args.hit_curve_out, [(s / 64, v[0]) for s, v in curve.items()], REPLAY_CURVE_COMMENT)

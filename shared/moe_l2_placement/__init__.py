@@ -11,6 +11,8 @@ from a model's shape and a machine's measured constants, and the device budget's
     estimate  Placement, decode, prompt, the host's page cache
     choose    choose_layers_and_cache, engine_auto_split
     here      this machine (RAM, nvidia-smi's GPUs) and the placement predicted for a model on it
+    multi_gpu two GPUs and more (issue 45): llama.cpp's layer split, stock --n-cpu-moe with --tensor-split,
+              one cache on device 0, a cache per device
 
 bench/placement_model.py checks the model against the measured runs (`--against`) and prints its tables;
 `moe-l2 doctor --model M` prints what it predicts for this machine. Standard library only at import
